@@ -1,0 +1,46 @@
+# trajpipe — two commands on a fresh machine: `make test` and `make demo`.
+# Each does all set-up first (`make install`): venv, pinned Python packages,
+# Kafka jars (Maven Central), Prism (Go module proxy).
+
+SHELL := /bin/bash
+PY_SYS ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+UV := $(VENV)/bin/uv
+CACHE := .cache
+KAFKA_JARS := $(CACHE)/kafka-jars
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo bench lock clean kafka-jars
+
+install: $(STAMP) $(KAFKA_JARS)/.done
+
+$(VENV)/bin/python:
+	$(PY_SYS) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip uv
+
+$(STAMP): $(VENV)/bin/python requirements.lock pyproject.toml
+	$(UV) pip install -q --python $(PY) -r requirements.lock
+	$(UV) pip install -q --python $(PY) --no-deps -e .
+	touch $@
+
+kafka-jars: $(KAFKA_JARS)/.done
+$(KAFKA_JARS)/.done: streams/kafka/pom.xml
+	mkdir -p $(KAFKA_JARS)
+	mvn -q -B -f streams/kafka/pom.xml dependency:copy-dependencies -DoutputDirectory=$(abspath $(KAFKA_JARS)) -DincludeScope=runtime
+	touch $@
+
+test: install
+	$(PY) -m pytest
+
+demo: install
+	$(PY) -m trajpipe.demo
+
+bench: install
+	$(PY) -m bench.run
+
+lock: $(VENV)/bin/python
+	$(UV) pip compile -q --python $(PY) --no-header requirements.in -o requirements.lock
+
+clean:
+	rm -rf $(VENV) $(CACHE) .pytest_cache

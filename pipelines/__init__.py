@@ -1,0 +1,1 @@
+"""trajpipe: pipelines package."""

@@ -1,0 +1,1 @@
+"""trajpipe: rollout package."""

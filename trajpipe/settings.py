@@ -1,0 +1,143 @@
+"""Shared settings: command-line flags > ``TRAJPIPE_*`` environment > config file > defaults.
+
+The config file is YAML (or TOML), named by ``--config`` or ``TRAJPIPE_CONFIG``::
+
+    # trajpipe.yaml
+    kafka:
+      bootstrap_servers: broker-1:9093,broker-2:9093
+      security_protocol: SASL_SSL
+      sasl_mechanism: SCRAM-SHA-512
+      sasl_username: rl-pipeline
+      ssl_cafile: /etc/kafka/ca.pem
+    topics:
+      partitions: 12
+
+Environment variables use ``__`` between levels, e.g.
+``TRAJPIPE_KAFKA__BOOTSTRAP_SERVERS=broker:9092`` or ``TRAJPIPE_TOPICS__PARTITIONS=8``;
+the common ones also have short forms: ``TRAJPIPE_BOOTSTRAP``, ``TRAJPIPE_SASL_PASSWORD``.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from streams.config import ConfigError, KafkaConnection, Topics
+
+__all__ = ["KafkaSettings", "TopicSettings", "Settings", "load_settings"]
+
+
+class KafkaSettings(BaseModel):
+    """Kafka cluster connection (see :class:`streams.config.KafkaConnection` for each field)."""
+
+    bootstrap_servers: str = Field("127.0.0.1:9092", description="comma-separated host:port list")
+    client_id: str = Field("trajpipe", description="client id reported to the broker")
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: str | None = Field(None, description="PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512")
+    sasl_username: str | None = None
+    sasl_password: str | None = None
+    ssl_cafile: str | None = Field(None, description="CA bundle (PEM)")
+    ssl_certfile: str | None = Field(None, description="client certificate (PEM)")
+    ssl_keyfile: str | None = Field(None, description="client key (PEM)")
+
+
+class TopicSettings(BaseModel):
+    """Topic names and partition counts."""
+
+    events: str = "trajpipe.events"
+    dead_letters: str = "trajpipe.dead-letters"
+    control: str = "trajpipe.control"
+    partitions: int = Field(4, description="partitions of the events topic")
+    replication_factor: int = 1
+
+
+class Settings(BaseSettings):
+    """All settings an entry point may need."""
+
+    model_config = SettingsConfigDict(env_prefix="TRAJPIPE_", env_nested_delimiter="__", extra="ignore")
+
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    topics: TopicSettings = Field(default_factory=TopicSettings)
+    broker_dir: str = Field(".trajpipe/broker", description="data dir of the embedded broker")
+
+    def connection(self, *, client_id: str | None = None) -> KafkaConnection:
+        """The typed connection object components take."""
+        data = self.kafka.model_dump()
+        if client_id:
+            data["client_id"] = client_id
+        return KafkaConnection(**data)
+
+    def topic_names(self) -> Topics:
+        """The typed topics object components take."""
+        return Topics(**self.topics.model_dump())
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist (from --config or TRAJPIPE_CONFIG)")
+    text = path.read_text()
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as err:
+        raise ConfigError(f"config file {path} is not valid: {err}") from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return data
+
+
+def load_settings(config: str | None = None, **overrides: Any) -> Settings:
+    """Build settings from the config file, the environment and explicit overrides.
+
+    Args:
+        config: config file path; defaults to ``$TRAJPIPE_CONFIG`` if set.
+        **overrides: flag values; ``None`` means "not given". Keys: ``bootstrap``
+            and any :class:`KafkaSettings` field, ``partitions``.
+
+    Raises:
+        ConfigError: unreadable config file or invalid values.
+    """
+    config = config or os.environ.get("TRAJPIPE_CONFIG")
+    file_data = _read_file(Path(config)) if config else {}
+    settings = Settings()  # environment and defaults
+    merged = settings.model_dump()
+    # File values apply where the environment did not set anything explicit.
+    env_set = {k.lower() for k in os.environ if k.startswith("TRAJPIPE_")}
+    for section, values in file_data.items():
+        if isinstance(values, dict) and isinstance(merged.get(section), dict):
+            for key, value in values.items():
+                if f"trajpipe_{section}__{key}".lower() not in env_set:
+                    merged[section][key] = value
+        elif f"trajpipe_{section}".lower() not in env_set:
+            merged[section] = values
+    short = {"TRAJPIPE_BOOTSTRAP": "bootstrap_servers", "TRAJPIPE_SASL_PASSWORD": "sasl_password"}
+    for env, key in short.items():
+        if os.environ.get(env):
+            merged["kafka"][key] = os.environ[env]
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if key == "bootstrap":
+            merged["kafka"]["bootstrap_servers"] = value
+        elif key in KafkaSettings.model_fields:
+            merged["kafka"][key] = value
+        elif key in TopicSettings.model_fields:
+            merged["topics"][key] = value
+        else:
+            merged[key] = value
+    try:
+        result = Settings.model_validate(merged)
+        result.connection()
+        result.topic_names()
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(f"invalid settings: {err}") from err
+    return result
