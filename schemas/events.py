@@ -181,6 +181,20 @@ class Event(msgspec.Struct, kw_only=True, tag_field="event_type"):
         if self.event_time.tzinfo is None:
             raise ValueError("`event_time` must be timezone-aware (UTC)")
 
+    def __eq__(self, other: object) -> bool:
+        # Field-wise, with token arrays compared by value (numpy's == is element-wise).
+        if type(other) is not type(self):
+            return NotImplemented
+        for a, b in zip(msgspec.structs.astuple(self), msgspec.structs.astuple(other)):
+            if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+                if not np.array_equal(a, b):
+                    return False
+            elif a != b:
+                return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value
+
 
 class EpisodeStarted(Event, tag="episode_started"):
     """An episode began: what task, in which environment, sampled how.

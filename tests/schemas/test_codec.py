@@ -1,0 +1,136 @@
+"""Round trips of every event type and every class of bad input."""
+
+import struct
+
+import msgspec
+import numpy as np
+import pytest
+
+from schemas.codec import (
+    HEADER_SIZE,
+    TYPE_CODES,
+    EventDecodeError,
+    EventEncodeError,
+    decode_event,
+    encode_event,
+    from_json,
+    kafka_headers,
+    peek_header,
+    to_json,
+)
+from schemas.events import EVENT_TYPES, SCHEMA_VERSION, Step
+
+
+def test_every_type_round_trips_binary_and_json(one_of_each):
+    assert {e.event_type for e in one_of_each} == set(EVENT_TYPES)
+    for ev in one_of_each:
+        buf = encode_event(ev)
+        assert peek_header(buf) == (ev.event_type, SCHEMA_VERSION)
+        back = decode_event(buf)
+        assert type(back) is type(ev) and back == ev
+        assert from_json(to_json(ev)) == ev
+        assert dict(kafka_headers(ev))["trajpipe-schema"] == ev.event_type.encode()
+
+
+def test_token_arrays_are_packed_not_float_lists(one_of_each):
+    step = one_of_each[1]
+    buf = encode_event(step)
+    # 300 int32 ids + 300 float32 logprobs + 40 obs ids = 2560 bytes of numbers,
+    # plus ~500 bytes of field names and text.
+    assert len(buf) < 2560 + 600
+    as_lists = msgspec.msgpack.encode(msgspec.to_builtins(step, enc_hook=lambda a: a.tolist()))
+    assert len(as_lists) > 1.3 * len(buf)
+    back = decode_event(buf)
+    assert back.action_token_ids.dtype == np.int32 and back.behaviour_logprobs.dtype == np.float32
+    np.testing.assert_array_equal(back.behaviour_logprobs, step.behaviour_logprobs)
+
+
+@pytest.fixture
+def good(one_of_each):
+    return encode_event(one_of_each[1])
+
+
+def _reason(buf) -> str:
+    with pytest.raises(EventDecodeError) as info:
+        decode_event(buf)
+    assert str(info.value).startswith(f"[{info.value.reason}]")
+    return info.value.reason
+
+
+def test_truncated(good):
+    assert _reason(good[:3]) == "truncated"
+    assert _reason(good[: len(good) // 2]) == "truncated"
+    assert _reason(b"") == "truncated"
+    assert _reason(None) == "truncated"
+
+
+def test_garbage_and_bad_magic(good):
+    assert _reason(b"hello world, not an event") == "bad_magic"
+    assert _reason(b'{"event_type": "step"}') == "bad_magic"
+
+
+def test_unknown_type_and_frame(good):
+    assert _reason(good[:3] + bytes([99]) + good[4:]) == "unknown_type"
+    assert _reason(good[:2] + bytes([7]) + good[3:]) == "unsupported_frame"
+
+
+def test_future_version(good):
+    future = good[:4] + struct.pack(">H", SCHEMA_VERSION + 1) + good[HEADER_SIZE:]
+    assert _reason(future) == "future_version"
+
+
+def _frame(event_type: str, body: dict) -> bytes:
+    return b"TJ" + bytes([1, TYPE_CODES[event_type]]) + struct.pack(">H", SCHEMA_VERSION) + msgspec.msgpack.encode(body)
+
+
+def test_missing_required_field():
+    body = {"event_type": "step_verified", "event_id": "x", "episode_id": "e", "seq": 1, "producer_id": "p",
+            "domain": "d", "task_id": "t", "step_index": 0, "passed": True}  # no `verifier`
+    assert _reason(_frame("step_verified", body)) == "missing_field"
+
+
+def test_wrong_types():
+    body = {"event_type": "step_verified", "event_id": "x", "episode_id": "e", "seq": "one", "producer_id": "p",
+            "domain": "d", "task_id": "t", "step_index": 0, "verifier": "v", "passed": True}
+    assert _reason(_frame("step_verified", body)) == "wrong_type"
+    # token ids sent as a float list instead of the packed int32 extension
+    body = {"event_type": "step", "event_id": "x", "episode_id": "e", "seq": 1, "producer_id": "p",
+            "domain": "d", "task_id": "t", "step_index": 0, "action_token_ids": [1.5, 2.5]}
+    assert _reason(_frame("step", body)) == "wrong_type"
+    # header type and body tag disagree
+    body["event_type"] = "feedback"
+    assert _reason(_frame("step", body)) == "wrong_type"
+
+
+def test_invalid_values_are_wrong_type():
+    body = {"event_type": "step_verified", "event_id": "x", "episode_id": "e", "seq": -4, "producer_id": "p",
+            "domain": "d", "task_id": "t", "step_index": 0, "verifier": "v", "passed": True}
+    assert _reason(_frame("step_verified", body)) == "wrong_type"
+
+
+def test_oversize(one_of_each):
+    step = one_of_each[1]
+    with pytest.raises(EventDecodeError) as info:
+        decode_event(encode_event(step), max_bytes=100)
+    assert info.value.reason == "oversize"
+    huge = msgspec.structs.replace(step, tool_result="x" * (2 << 20))
+    with pytest.raises(EventEncodeError, match="over the"):
+        encode_event(huge)
+
+
+def test_json_bad_input():
+    with pytest.raises(EventDecodeError) as info:
+        from_json(b'{"event_type": "nope", "event_id": "x"}')
+    assert info.value.reason == "unknown_type"
+    with pytest.raises(EventDecodeError) as info:
+        from_json(b'{"event_type": "step", "event_id": ')
+    assert info.value.reason in ("truncated", "malformed")
+
+
+def test_constructor_validates():
+    with pytest.raises(ValueError, match="behaviour_logprobs"):
+        Step(event_id="a", episode_id="e", seq=1, producer_id="p", domain="d", task_id="t", step_index=0,
+             action_token_ids=[1, 2, 3], behaviour_logprobs=[-0.1])
+    with pytest.raises(TypeError, match="int32"):
+        Step(event_id="a", episode_id="e", seq=1, producer_id="p", domain="d", task_id="t", step_index=0,
+             action_token_ids=[2**40])
