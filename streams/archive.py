@@ -1,0 +1,383 @@
+"""The archiver: drains the events topic into the append-only Parquet event archive.
+
+The archive is the event store of record (layout and commit protocol in
+docs/archive.md). Each commit consumes an offset range per partition, writes
+the decoded events bucketed by episode and sorted by ``(episode_id, seq)``,
+and records the range in a manifest that is the commit point, so a crash at
+any moment followed by a rerun yields exactly the same rows.
+
+Run it::
+
+    trajpipe archive --bootstrap 127.0.0.1:9092 --out data/archive --until-end
+
+Examples:
+    >>> bucket_of("synth-0-00000001", 16) == bucket_of("synth-0-00000001", 16)
+    True
+    >>> 0 <= bucket_of("any-episode", 16) < 16
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import zlib
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pyarrow.parquet as pq
+
+from schemas.arrow import events_to_table
+from schemas.codec import EventDecodeError, decode_event
+from schemas.events import SCHEMA_VERSION, Event
+from streams.config import KafkaConnection
+
+__all__ = [
+    "ARCHIVE_FORMAT",
+    "ArchiveError",
+    "ArchiveCounts",
+    "CommitManifest",
+    "bucket_of",
+    "committed_files",
+    "read_commits",
+    "recover_archive",
+    "write_commit",
+    "Archiver",
+]
+
+log = logging.getLogger(__name__)
+
+ARCHIVE_FORMAT = 1
+_TMP_SUFFIX = ".parquet.tmp"
+
+
+class ArchiveError(RuntimeError):
+    """The archive directory is inconsistent or does not match the settings."""
+
+
+class ArchiveCounts(msgspec.Struct, kw_only=True):
+    """What one archiver run did.
+
+    Attributes:
+        events: events written to the archive.
+        dead_letters: undecodable messages routed to the dead-letter topic.
+        commits: commits made.
+        messages: messages consumed (== events + dead_letters).
+    """
+
+    events: int = 0
+    dead_letters: int = 0
+    commits: int = 0
+    messages: int = 0
+
+
+class PartitionRange(msgspec.Struct, frozen=True):
+    """Offsets ``[start, end)`` of one partition covered by a commit."""
+
+    start: int
+    end: int
+
+
+class CommitManifest(msgspec.Struct, kw_only=True):
+    """One archive commit (``_commits/<n>.json``).
+
+    Attributes:
+        commit: commit number, from 1, gap-free.
+        topic: source topic.
+        offsets: partition -> consumed range ``[start, end)``.
+        files: data files of this commit, relative to the archive root.
+        events: rows written.
+        dead_letters: messages sent to the dead-letter topic instead.
+        schema_version: event-model version of the writer.
+        created_at: when the commit was made (UTC).
+    """
+
+    commit: int
+    topic: str
+    offsets: dict[int, PartitionRange]
+    files: list[str]
+    events: int
+    dead_letters: int = 0
+    schema_version: int = SCHEMA_VERSION
+    created_at: datetime = msgspec.field(default_factory=lambda: datetime.now(timezone.utc))
+
+
+def bucket_of(episode_id: str, buckets: int) -> int:
+    """Archive bucket of an episode: ``crc32(episode_id) % buckets`` (stable across runs and hosts)."""
+    return zlib.crc32(episode_id.encode()) % buckets
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _init_archive(root: Path, *, topic: str, buckets: int) -> dict[str, Any]:
+    meta_path = root / "_archive.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("format") != ARCHIVE_FORMAT:
+            raise ArchiveError(f"{root} has archive format {meta.get('format')}; this trajpipe writes {ARCHIVE_FORMAT}")
+        if meta.get("topic") != topic:
+            raise ArchiveError(
+                f"{root} archives topic {meta.get('topic')!r}, not {topic!r}; use another --out directory"
+            )
+        return meta
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "_commits").mkdir(exist_ok=True)
+    meta = {"format": ARCHIVE_FORMAT, "buckets": buckets, "topic": topic}
+    _atomic_write(meta_path, json.dumps(meta).encode())
+    return meta
+
+
+def read_commits(root: Path) -> list[CommitManifest]:
+    """All commit manifests of an archive, in commit order.
+
+    Raises:
+        ArchiveError: a manifest is unreadable or commit numbers have a gap.
+    """
+    commits = []
+    for path in sorted((Path(root) / "_commits").glob("*.json")):
+        try:
+            commits.append(msgspec.json.decode(path.read_bytes(), type=CommitManifest))
+        except msgspec.DecodeError as err:
+            raise ArchiveError(f"commit manifest {path} is unreadable: {err}") from err
+    for i, c in enumerate(commits, start=1):
+        if c.commit != i:
+            raise ArchiveError(f"archive {root}: commit {i} is missing (found {c.commit})")
+    return commits
+
+
+def committed_files(root: Path) -> list[Path]:
+    """Data files of every commit, in commit order (what readers should read).
+
+    Examples:
+        >>> committed_files(Path("/nonexistent"))
+        []
+    """
+    return [Path(root) / f for c in read_commits(root) for f in c.files]
+
+
+def recover_archive(root: Path) -> int:
+    """Finish or undo an interrupted commit; returns the number of files fixed.
+
+    A commit whose manifest exists is rolled forward (its temporary files are
+    renamed into place); temporary files without a manifest are removed.
+    """
+    root = Path(root)
+    if not (root / "_commits").exists():
+        return 0
+    fixed = 0
+    wanted = {f for c in read_commits(root) for f in c.files}
+    for tmp in root.glob(f"bucket=*/*{_TMP_SUFFIX}"):
+        final = tmp.with_name(tmp.name[: -len(".tmp")])
+        rel = str(final.relative_to(root))
+        if rel in wanted and not final.exists():
+            os.replace(tmp, final)
+            log.info("rolled commit file forward: %s", rel)
+        else:
+            tmp.unlink()
+            log.info("removed uncommitted file: %s", tmp.relative_to(root))
+        fixed += 1
+    for stale in (root / "_commits").glob(".*.tmp"):
+        stale.unlink()
+    return fixed
+
+
+def write_commit(
+    root: Path,
+    *,
+    commit: int,
+    topic: str,
+    buckets: int,
+    events: Sequence[Event],
+    positions: Sequence[tuple[int, int]],
+    offsets: dict[int, PartitionRange],
+    dead_letters: int = 0,
+    crash_before_manifest: bool = False,
+) -> CommitManifest:
+    """Write one commit: data files (temporary names) → manifest (commit point) → rename.
+
+    Args:
+        root: archive directory.
+        commit: the commit number (last + 1).
+        topic: source topic.
+        buckets: bucket count of this archive.
+        events: decoded events of the range.
+        positions: ``(partition, offset)`` of each event.
+        offsets: the consumed range per partition.
+        dead_letters: how many messages of the range went to dead letters.
+        crash_before_manifest: test hook: stop after the data files, as a crash would.
+    """
+    by_bucket: dict[int, list[int]] = defaultdict(list)
+    for i, ev in enumerate(events):
+        by_bucket[bucket_of(ev.episode_id, buckets)].append(i)
+    files = []
+    for b in sorted(by_bucket):
+        idx = sorted(by_bucket[b], key=lambda i: (events[i].episode_id, events[i].seq, positions[i]))
+        table = events_to_table([events[i] for i in idx], [positions[i] for i in idx])
+        rel = f"bucket={b:02d}/c{commit:08d}.parquet"
+        tmp = root / (rel + ".tmp")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, tmp, compression="zstd")
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        files.append(rel)
+    if crash_before_manifest:
+        raise ArchiveError(f"simulated crash before manifest of commit {commit}")
+    manifest = CommitManifest(
+        commit=commit, topic=topic, offsets=offsets, files=files, events=len(events), dead_letters=dead_letters
+    )
+    _atomic_write(root / "_commits" / f"{commit:08d}.json", msgspec.json.encode(manifest))
+    for rel in files:
+        os.replace(root / (rel + ".tmp"), root / rel)
+    for d in {(root / rel).parent for rel in files}:
+        _fsync_dir(d)
+    return manifest
+
+
+class Archiver:
+    """Drains a topic into an archive directory, commit by commit.
+
+    Args:
+        out: archive directory (created on first use).
+        conn: Kafka connection.
+        topic: events topic.
+        dead_letter: called with ``(record, EventDecodeError)`` for each
+            undecodable message; it must make the dead letter durable (e.g. a
+            producer send followed by ``flush``) before :meth:`run` commits.
+        flush_dead_letters: called once before each commit so dead letters are
+            durable before the offsets that produced them are committed.
+        buckets: bucket count for a new archive (an existing one keeps its own).
+        commit_every: commit after this many messages.
+        progress: called with the running counts after each commit.
+    """
+
+    def __init__(
+        self,
+        out: Path,
+        *,
+        conn: KafkaConnection,
+        topic: str,
+        dead_letter: Callable[[Any, EventDecodeError], None],
+        flush_dead_letters: Callable[[], None] = lambda: None,
+        buckets: int = 16,
+        commit_every: int = 50_000,
+        progress: Callable[[ArchiveCounts], None] | None = None,
+    ) -> None:
+        if commit_every < 1:
+            raise ValueError("`commit_every` must be >= 1")
+        self.out = Path(out)
+        self.conn = conn
+        self.topic = topic
+        self._dead_letter = dead_letter
+        self._flush_dead_letters = flush_dead_letters
+        self._meta = _init_archive(self.out, topic=topic, buckets=buckets)
+        self.buckets = int(self._meta["buckets"])
+        self.commit_every = commit_every
+        self._progress = progress
+        self.crash_before_manifest_at: int | None = None  # test hook: commit number to "crash" at
+
+    def committed_offsets(self) -> dict[int, int]:
+        """Next offset to read per partition, from the manifests."""
+        offsets: dict[int, int] = {}
+        for c in read_commits(self.out):
+            for p, r in c.offsets.items():
+                offsets[int(p)] = max(offsets.get(int(p), 0), r.end)
+        return offsets
+
+    def run(self, *, until_end: bool = True, stop: threading.Event | None = None, poll_interval_s: float = 1.0) -> ArchiveCounts:
+        """Archive until the end offsets seen at start (``until_end``) or until ``stop`` is set."""
+        from streams.consumer import OffsetRange, end_offsets, read_range
+
+        recover_archive(self.out)
+        counts = ArchiveCounts()
+        stop = stop or threading.Event()
+        while not stop.is_set():
+            start = self.committed_offsets()
+            end = end_offsets(self.conn, self.topic)
+            ranges = [
+                OffsetRange(topic=self.topic, partition=p, start=start.get(p, 0), end=e)
+                for p, e in sorted(end.items())
+                if e > start.get(p, 0)
+            ]
+            if ranges:
+                self._drain(ranges, read_range, counts, stop)
+            if until_end:
+                break
+            stop.wait(poll_interval_s)
+        return counts
+
+    def _drain(self, ranges: list, read_range: Callable, counts: ArchiveCounts, stop: threading.Event) -> None:
+        events: list[Event] = []
+        positions: list[tuple[int, int]] = []
+        covered: dict[int, list[int]] = {}
+        dead = 0
+        pending = 0
+
+        def commit() -> None:
+            nonlocal events, positions, covered, dead, pending
+            if not covered:
+                return
+            n = len(read_commits(self.out)) + 1
+            self._flush_dead_letters()
+            write_commit(
+                self.out, commit=n, topic=self.topic, buckets=self.buckets, events=events, positions=positions,
+                offsets={p: PartitionRange(s, e) for p, (s, e) in covered.items()}, dead_letters=dead,
+                crash_before_manifest=self.crash_before_manifest_at == n,
+            )
+            counts.events += len(events)
+            counts.dead_letters += dead
+            counts.messages += pending
+            counts.commits += 1
+            if self._progress:
+                self._progress(counts)
+            events, positions, covered, dead, pending = [], [], {}, 0, 0
+
+        starts = {r.partition: r.start for r in ranges}
+        for batch in read_range(self.conn, ranges):
+            for rec in batch:
+                try:
+                    ev = decode_event(rec.value)
+                except EventDecodeError as err:
+                    self._dead_letter(rec, err)
+                    dead += 1
+                else:
+                    events.append(ev)
+                    positions.append((rec.partition, rec.offset))
+                span = covered.setdefault(rec.partition, [starts[rec.partition], rec.offset + 1])
+                span[1] = rec.offset + 1
+                pending += 1
+            if pending >= self.commit_every:
+                # The next range of each partition starts where this commit ends.
+                for p, (_, e) in covered.items():
+                    starts[p] = e
+                commit()
+            if stop.is_set():
+                break
+        # Offsets consumed without records (compaction / transaction markers) still count as covered.
+        if not stop.is_set():
+            for r in ranges:
+                if starts[r.partition] < r.end:
+                    span = covered.setdefault(r.partition, [starts[r.partition], r.end])
+                    span[1] = r.end
+        commit()
