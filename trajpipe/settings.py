@@ -65,6 +65,7 @@ class Settings(BaseSettings):
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     topics: TopicSettings = Field(default_factory=TopicSettings)
     broker_dir: str = Field(".trajpipe/broker", description="data dir of the embedded broker")
+    spool_dir: str = Field(".trajpipe/spool", description="producer spool (events kept while Kafka is unreachable)")
 
     def connection(self, *, client_id: str | None = None) -> KafkaConnection:
         """The typed connection object components take."""

@@ -1,0 +1,149 @@
+"""`make bench`: every benchmark in one run, on one broker, side by side.
+
+Writes ``bench/results/latest.json`` — one flat JSON object of named figures —
+and prints a readable table. Ratios compare two implementations measured in
+the same run on the same data, so the shared machine's noise mostly cancels.
+
+Usage::
+
+    make bench                        # all benchmarks
+    .venv/bin/python -m bench.run codec producer   # a subset, by name
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["BenchContext", "BENCHMARKS", "main"]
+
+RESULTS = Path(__file__).with_name("results")
+
+
+class BenchContext:
+    """Shared resources: one broker and one scratch directory for the whole run."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self._broker = None
+
+    @property
+    def bootstrap(self) -> str:
+        if self._broker is None:
+            from streams.broker import start_broker
+
+            self._broker = start_broker(engine="kafka", port=_free_port(), data_dir=self.workdir / "broker")
+        return self._broker.bootstrap
+
+    def close(self) -> None:
+        if self._broker is not None:
+            from streams.broker import stop_broker
+
+            stop_broker(self._broker.data_dir)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _codec(ctx: BenchContext) -> dict:
+    from bench.codec import bench_codec
+
+    return bench_codec()
+
+
+def _producer(ctx: BenchContext) -> dict:
+    from bench.producer import bench_producer
+
+    return bench_producer(ctx.bootstrap, ctx.workdir / "producer")
+
+
+def _pipeline(ctx: BenchContext) -> dict:
+    from bench.pipeline import bench_pipeline
+
+    return bench_pipeline(ctx.bootstrap, ctx.workdir / "pipeline")
+
+
+def _sandbox(ctx: BenchContext) -> dict:
+    from rollout.bench_sandbox import measure_start
+
+    return measure_start(n=50)
+
+
+def _rollout(ctx: BenchContext) -> dict:
+    from bench.rollout import bench_rollout
+
+    return bench_rollout(ctx.bootstrap, ctx.workdir / "rollout")
+
+
+def _trainer(ctx: BenchContext) -> dict:
+    from bench.trainer import bench_loader
+
+    return bench_loader(ctx.workdir / "trainer")
+
+
+BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
+    "codec": _codec,
+    "producer": _producer,
+    "pipeline": _pipeline,
+    "sandbox": _sandbox,
+    "rollout": _rollout,
+    "trainer": _trainer,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help=f"benchmarks to run, of {', '.join(BENCHMARKS)} (default: all)")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {unknown}; choose from {list(BENCHMARKS)}")
+    logging.basicConfig(level=logging.WARNING)
+    names = args.names or list(BENCHMARKS)
+    results: dict[str, float] = {}
+    failed: list[str] = []
+    console = Console(stderr=True)
+    with tempfile.TemporaryDirectory(prefix="trajpipe-bench-") as tmp:
+        ctx = BenchContext(Path(tmp))
+        try:
+            for name in names:
+                console.print(f"[bold]bench {name}[/bold] ...")
+                t0 = time.perf_counter()
+                try:
+                    figures = BENCHMARKS[name](ctx)
+                except Exception:  # a broken benchmark must not hide the others' figures
+                    console.print(f"[red]bench {name} failed[/red]\n{traceback.format_exc()}")
+                    failed.append(name)
+                    continue
+                results.update(figures)
+                console.print(f"  done in {time.perf_counter() - t0:.0f} s")
+        finally:
+            ctx.close()
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "latest.json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    table = Table("figure", "value", title="trajpipe bench (bench/results/latest.json)")
+    for key, value in sorted(results.items()):
+        table.add_row(key, f"{value:,}" if isinstance(value, (int, float)) else str(value))
+    Console().print(table)
+    if failed:
+        console.print(f"[red]failed benchmarks: {', '.join(failed)}[/red]")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
