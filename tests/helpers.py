@@ -1,0 +1,55 @@
+"""Small helpers shared by the tests (import as ``from tests.helpers import ...``)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+__all__ = ["consume_messages", "free_port", "produce_messages"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def produce_messages(bootstrap: str, topic: str, messages: list[tuple[bytes, bytes]]) -> None:
+    """Send ``(key, value)`` pairs with ``acks=all`` and wait until every one is acknowledged."""
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", client_id="trajpipe-test-producer")
+    try:
+        futures = [producer.send(topic, key=key, value=value) for key, value in messages]
+        producer.flush(timeout=30)
+        for future in futures:
+            future.get(timeout=30)  # raises the send's error, if any
+    finally:
+        producer.close(timeout=10)
+
+
+def consume_messages(bootstrap: str, topic: str, count: int, *, timeout_s: float = 30.0) -> list[tuple[bytes, bytes]]:
+    """Read ``count`` records of ``topic`` from the start of every partition, without a consumer group.
+
+    Stops at ``count`` records (fewer if ``timeout_s`` runs out) so it does not depend on
+    end offsets, which the Tansu broker reports wrongly after multi-record batches.
+    """
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False, client_id="trajpipe-test-consumer"
+    )
+    try:
+        deadline = time.monotonic() + timeout_s
+        partitions = consumer.partitions_for_topic(topic)
+        while not partitions and time.monotonic() < deadline:
+            time.sleep(0.2)
+            partitions = consumer.partitions_for_topic(topic)
+        consumer.assign([TopicPartition(topic, p) for p in sorted(partitions or ())])
+        consumer.seek_to_beginning()
+        records: list[tuple[bytes, bytes]] = []
+        while len(records) < count and time.monotonic() < deadline:
+            for batch in consumer.poll(timeout_ms=500).values():
+                records.extend((r.key, r.value) for r in batch)
+        return records
+    finally:
+        consumer.close()
