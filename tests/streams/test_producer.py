@@ -1,0 +1,170 @@
+"""EventProducer against real brokers: round trip, spool when unreachable, replay, torn tails."""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from schemas.codec import EventEncodeError, decode_event
+from schemas.events import Step
+from streams.admin import ensure_topics
+from streams.broker import start_broker, stop_broker
+from streams.config import ConfigError, KafkaConnection, Topics
+from streams.producer import EventProducer, SpoolLockedError, ProducerClosedError, read_spool
+from tests.helpers import free_port
+from tests.streams.conftest import assert_episode_order, make_events, read_all
+
+pytestmark = pytest.mark.integration
+
+# Short timeouts so outages are noticed in seconds, not minutes.
+FAST = dict(delivery_timeout_ms=3_000, connect_timeout_ms=1_000, max_block_ms=1_000, replay_backoff_s=0.2,
+            replay_backoff_max_s=1.0)
+
+
+def _dead_conn() -> KafkaConnection:
+    """A bootstrap address nobody listens on."""
+    return KafkaConnection(bootstrap_servers=f"127.0.0.1:{free_port()}", request_timeout_ms=1_000)
+
+
+def test_round_trip_exact_counts_and_episode_order(conn, topics, tmp_path):
+    ensure_topics(conn, topics)
+    events = make_events(episodes=20, steps=10)
+    with EventProducer(conn, topics.events, spool_dir=tmp_path) as producer:
+        for ev in events:
+            producer.emit(ev)
+        stats = producer.flush()
+    assert (stats.sent, stats.spooled, stats.pending) == (200, 0, 0)
+    records = read_all(conn, topics.events)
+    assert len(records) == 200
+    seqs = assert_episode_order(records)
+    assert seqs == {f"ep-{e}": list(range(10)) for e in range(20)}
+    assert dict(records[0].headers)["trajpipe-schema"] in (b"episode_started", b"step")
+    assert {decode_event(r.value).event_id for r in records} == {ev.event_id for ev in events}
+    assert not producer.spool_path.exists()
+
+
+def test_spool_when_unreachable_from_start_then_replay(tansu_broker, topics, tmp_path):
+    events = make_events(episodes=5, steps=10)
+    down = EventProducer(_dead_conn(), topics.events, spool_dir=tmp_path, **FAST)
+    assert down.spooling
+    for ev in events[:30]:
+        down.emit(ev)
+    stats = down.flush()
+    assert (stats.sent, stats.spooled, stats.pending) == (0, 30, 30)
+    assert len(list(read_spool(down.spool_path))) == 30  # fsync'ed: readable by anyone now
+    assert down.close() == 30
+
+    live = KafkaConnection(bootstrap_servers=tansu_broker.bootstrap, request_timeout_ms=2_000)
+    ensure_topics(live, topics)
+    with EventProducer(live, topics.events, spool_dir=tmp_path, **FAST) as up:
+        assert up.stats().replayed == 30 and not up.spooling  # replayed at construction
+        for ev in events[30:]:
+            up.emit(ev)
+        stats = up.flush()
+    assert (stats.sent, stats.replayed, stats.pending) == (20, 30, 0)
+    assert not up.spool_path.exists()
+    records = read_all(live, topics.events)
+    assert len(records) == 50
+    assert assert_episode_order(records) == {f"ep-{e}": list(range(10)) for e in range(5)}
+
+
+@pytest.mark.slow
+def test_spool_and_replay_across_kafka_restart(tmp_path):
+    """Stop a real Kafka broker mid-stream, keep emitting, restart it: every event arrives once."""
+    port = free_port()
+    data_dir = tmp_path / "broker"
+    info = start_broker(engine="kafka", port=port, data_dir=data_dir)
+    try:
+        conn = KafkaConnection(bootstrap_servers=info.bootstrap, request_timeout_ms=1_500)
+        topics = Topics(events="restart.events", dead_letters="restart.dl", control="restart.ctl", partitions=3)
+        ensure_topics(conn, topics)
+        events = make_events(episodes=10, steps=30)  # 300 events, seq 0..29 per episode
+        stopped = threading.Event()
+        producer = EventProducer(conn, topics.events, spool_dir=tmp_path / "spool", **FAST)
+        for i, ev in enumerate(events):
+            producer.emit(ev)
+            if i == 100:
+                producer.flush()
+                assert producer.stats().sent == 101
+                stop_broker(data_dir)
+                stopped.set()
+            if stopped.is_set():
+                time.sleep(0.02)  # a worker keeps producing through the outage (longer than delivery timeout)
+        assert producer.spooling  # the outage was noticed while emitting
+        stats = producer.flush()  # broker still down: everything unsent is fsync'ed in the spool
+        assert stats.pending > 0 and stats.sent + stats.pending == 300
+
+        start_broker(engine="kafka", port=port, data_dir=data_dir)
+        stats = producer.flush()
+        assert stats.pending == 0 and not producer.spooling
+        assert stats.sent + stats.replayed == 300
+        assert producer.close() == 0
+
+        records = read_all(conn, topics.events)
+        ids = [decode_event(r.value).event_id for r in records]
+        assert len(set(ids)) == 300 and set(ids) == {ev.event_id for ev in events}
+        assert len(records) == 300, "duplicates arrived"
+        assert assert_episode_order(records) == {f"ep-{e}": list(range(30)) for e in range(10)}
+    finally:
+        stop_broker(data_dir)
+
+
+def test_torn_spool_tail_is_ignored(tansu_broker, topics, tmp_path):
+    events = make_events(episodes=1, steps=5)
+    with EventProducer(_dead_conn(), topics.events, spool_dir=tmp_path, **FAST) as down:
+        for ev in events:
+            down.emit(ev)
+    spool = down.spool_path
+    intact = spool.stat().st_size
+    with open(spool, "ab") as f:  # a crash mid-write: frame says 500 bytes, only 7 made it
+        f.write(struct.pack(">II", 500, 12345) + b"partial")
+    assert len(list(read_spool(spool))) == 5
+
+    down = EventProducer(_dead_conn(), topics.events, spool_dir=tmp_path, **FAST)
+    assert down.stats().pending == 5 and spool.stat().st_size == intact  # tail cut on open
+    down.emit(make_events(episodes=1, steps=6)[5])  # appends after the intact records
+    down.close()
+    with open(spool, "ab") as f:  # a corrupt last record: right length, wrong CRC
+        f.write(struct.pack(">II", 3, 0) + b"abc")
+    assert len(list(read_spool(spool))) == 6
+
+    live = KafkaConnection(bootstrap_servers=tansu_broker.bootstrap, request_timeout_ms=2_000)
+    ensure_topics(live, topics)
+    with EventProducer(live, topics.events, spool_dir=tmp_path, **FAST) as up:
+        assert up.stats().replayed == 6
+    records = read_all(live, topics.events)
+    assert [decode_event(r.value).seq for r in records] == [0, 1, 2, 3, 4, 5]
+
+
+def test_oversize_event_is_refused_not_spooled(tmp_path):
+    big = Step(event_id="e", episode_id="ep", seq=1, producer_id="w", domain="math", task_id="t",
+               step_index=0, tool_result="x" * 5000)
+    with EventProducer(_dead_conn(), "t", spool_dir=tmp_path, max_event_bytes=1000, **FAST) as producer:
+        with pytest.raises(EventEncodeError, match="max_event_bytes"):
+            producer.emit(big)
+        assert producer.flush().spooled == 0
+
+
+def test_one_producer_per_spool(tmp_path):
+    with EventProducer(_dead_conn(), "t", spool_dir=tmp_path, **FAST):
+        with pytest.raises(SpoolLockedError):
+            EventProducer(_dead_conn(), "t", spool_dir=tmp_path, **FAST)
+
+
+def test_checks_timeouts_up_front(tmp_path):
+    with pytest.raises(ConfigError, match="delivery_timeout_ms"):
+        EventProducer(KafkaConnection(request_timeout_ms=30_000), "t", spool_dir=tmp_path, delivery_timeout_ms=1000)
+
+
+def test_use_after_close(tmp_path):
+    producer = EventProducer(_dead_conn(), "t", spool_dir=tmp_path, **FAST)
+    assert producer.close() == 0 and producer.close() == 0
+    with pytest.raises(ProducerClosedError):
+        producer.emit(make_events(1, 1)[0])
+    with pytest.raises(ProducerClosedError):
+        producer.flush()
+    assert not Path(producer.spool_path).exists()
