@@ -1,0 +1,365 @@
+"""DedupeEvents and AssembleEpisodes: fragments → ordered, gap-checked episodes.
+
+One pure core (:func:`dedupe_events`, :func:`assemble_episode`,
+:func:`decide`) serves both modes:
+
+* **batch / micro-batch** (:class:`AssembleEpisodes`): ``GroupByKey`` the
+  fragments, dedupe, then decide per episode with an event-time clock (the
+  largest event time the run has seen, a side input): complete episodes go
+  out as training data; unfinished ones are carried over as ``pending``
+  (the job persists them under ``<out>/_state/`` and feeds them back next
+  run) until they have been idle longer than ``incomplete_after`` seconds
+  of event time, then they go out as ``incomplete``.
+* **streaming** (:class:`AssembleEpisodesStreaming`): a stateful DoFn keeps
+  each episode's events in a bag and sets an event-time timer at
+  ``last event time + incomplete_after``; the episode is emitted as soon as
+  it is complete, or as ``incomplete`` when the timer fires (event-time
+  timers only: Prism has no processing-time timers).
+
+Examples:
+    >>> from streams.synth import generate_episodes
+    >>> evs = next(generate_episodes(1, seed=1))
+    >>> unique, dups, conflicts = dedupe_events(evs + evs[:2])
+    >>> len(unique) == len(evs), dups, conflicts
+    (True, 2, [])
+    >>> decide(unique, clock_s=0.0, incomplete_after_s=60.0)
+    ('complete', None)
+    >>> decide(unique[:-1], clock_s=unique[-2].event_time.timestamp() + 61, incomplete_after_s=60.0)
+    ('incomplete', 'unfinished')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, List, Tuple
+
+import apache_beam as beam
+from apache_beam.coders import PickleCoder
+from apache_beam.metrics import Metrics
+from apache_beam.transforms.timeutil import TimeDomain
+from apache_beam.transforms.userstate import BagStateSpec, ReadModifyWriteStateSpec, TimerSpec, on_timer
+from apache_beam.utils.timestamp import Timestamp
+
+from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE, Episode
+from schemas.datasets import Verification
+from schemas.deadletter import DeadLetter
+from schemas.events import EpisodeFinished, EpisodeStarted, Event, Feedback, Step, StepVerified, make_event_id
+
+__all__ = [
+    "DedupeEvents",
+    "AssembleEpisodes",
+    "AssembleEpisodesStreaming",
+    "dedupe_events",
+    "assemble_episode",
+    "decide",
+    "PENDING_TAG",
+    "INCOMPLETE_TAG",
+]
+
+PENDING_TAG = "pending"
+#: Distribution metric (epoch ms) whose max is the run's event-time clock.
+EVENT_TIME_METRIC = "event_time_ms"
+INCOMPLETE_TAG = "incomplete"
+_DETECTED_BY = "pipeline.dedupe"
+
+
+def dedupe_events(events: Iterable[Event]) -> tuple[list[Event], int, list[Event]]:
+    """Drop repeated events of one episode; ``(unique sorted by seq, duplicates, conflicts)``.
+
+    Two copies with the same ``event_id`` are one event (ids are derived from
+    ``(episode_id, seq)`` by :func:`schemas.events.make_event_id`, so a copy can
+    only be in the same episode: deduplicating inside the episode after
+    grouping is complete). Two *different* ids at the same ``seq`` are a
+    conflict: the one with the canonical id (or else the smallest id) is kept,
+    the others are returned as ``conflicts``. Deterministic whatever the
+    input order.
+    """
+    by_id: dict[str, Event] = {}
+    duplicates = 0
+    for ev in events:
+        if ev.event_id in by_id:
+            duplicates += 1
+        else:
+            by_id[ev.event_id] = ev
+    by_seq: dict[int, list[Event]] = {}
+    for ev in by_id.values():
+        by_seq.setdefault(ev.seq, []).append(ev)
+    unique: list[Event] = []
+    conflicts: list[Event] = []
+    for seq in sorted(by_seq):
+        cands = by_seq[seq]
+        if len(cands) > 1:
+            canonical = make_event_id(cands[0].episode_id, seq)
+            cands.sort(key=lambda e: (e.event_id != canonical, e.event_id))
+            conflicts.extend(cands[1:])
+        unique.append(cands[0])
+    return unique, duplicates, conflicts
+
+
+def _status(events: list[Event]) -> tuple[bool, str | None]:
+    """(complete, incomplete_reason) of deduplicated events sorted by seq."""
+    if not events or not isinstance(events[0], EpisodeStarted):
+        return False, "no_start"
+    if events[-1].seq != len(events) - 1:
+        return False, "gap"
+    if not any(isinstance(e, EpisodeFinished) for e in events):
+        return False, "unfinished"
+    return True, None
+
+
+def decide(events: list[Event], *, clock_s: float, incomplete_after_s: float) -> tuple[str, str | None]:
+    """What to do with an episode's events now: ``complete``, ``pending`` or ``incomplete``.
+
+    Args:
+        events: deduplicated events sorted by ``seq``.
+        clock_s: the event-time clock (epoch seconds): the latest event time seen.
+        incomplete_after_s: idle event time after which an unfinished episode
+            is given up on.
+
+    Returns:
+        ``(decision, incomplete_reason)``; the reason is set unless complete.
+    """
+    complete, reason = _status(events)
+    if complete:
+        return "complete", None
+    last = max(e.event_time for e in events).timestamp()
+    return ("incomplete" if clock_s - last > incomplete_after_s else "pending"), reason
+
+
+def assemble_episode(episode_id: str, events: list[Event], *, complete: bool, reason: str | None) -> Episode:
+    """Build an :class:`Episode` from deduplicated events sorted by seq."""
+    started = next((e for e in events if isinstance(e, EpisodeStarted)), None)
+    finished = next((e for e in events if isinstance(e, EpisodeFinished)), None)
+    steps = sorted((e for e in events if isinstance(e, Step)), key=lambda s: s.step_index)
+    index_of = {s.step_index: i for i, s in enumerate(steps)}
+    verdicts: list[list[Verification]] = [[] for _ in steps]
+    for e in events:
+        if isinstance(e, StepVerified) and e.step_index in index_of:
+            verdicts[index_of[e.step_index]].append(
+                Verification(verifier=e.verifier, passed=e.passed, score=e.score, details=e.details, source="rollout")
+            )
+    first = events[0]
+    task_group = (started.task_group if started is not None else "") or first.task_id
+    times = [e.event_time for e in events]
+    return Episode(
+        episode_id=episode_id, domain=first.domain, task_id=first.task_id, task_group=task_group,
+        policy_version=first.policy_version, started=started, finished=finished, steps=steps,
+        verdicts=verdicts, feedback=[e for e in events if isinstance(e, Feedback)], num_events=len(events),
+        first_event_time=min(times), last_event_time=max(times), complete=complete, incomplete_reason=reason,
+    )
+
+
+def _conflict_letter(ev: Event) -> DeadLetter:
+    return DeadLetter(
+        reason="seq_conflict",
+        message=f"{ev.event_type} {ev.event_id} repeats seq {ev.seq} of episode {ev.episode_id} with another event id",
+        source_topic="", source_partition=-1, source_offset=-1, key=ev.episode_id.encode(), value=None,
+        detected_by=_DETECTED_BY, event_type=ev.event_type,
+    )
+
+
+class _DedupeFn(beam.DoFn):
+    def __init__(self, already_emitted: frozenset[str]) -> None:
+        self._already = already_emitted
+        self._dups = Metrics.counter(METRICS_NAMESPACE, "duplicates")
+        self._dead = Metrics.counter(METRICS_NAMESPACE, "dead_letters")
+
+    def process(self, element: tuple[str, Iterable[list[Event]]]) -> Iterator[Any]:
+        episode_id, fragments = element
+        events = [e for frag in fragments for e in frag]
+        if episode_id in self._already:
+            # Re-delivered events of an episode a previous commit already emitted.
+            self._dups.inc(len(events))
+            return
+        unique, dups, conflicts = dedupe_events(events)
+        if dups:
+            self._dups.inc(dups)
+        if conflicts:
+            self._dead.inc(len(conflicts))
+            for ev in conflicts:
+                yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, _conflict_letter(ev))
+        yield episode_id, unique
+
+
+class DedupeEvents(beam.PTransform):
+    """Grouped fragments ``(episode_id, Iterable[list[Event]])`` → ``(episode_id, unique events by seq)``.
+
+    Dedupes by ``event_id`` inside the episode: ``event_id`` is derived from
+    ``(episode_id, seq)``, so two copies of an event always share the episode
+    and grouping by episode first is enough. Different ids at one ``seq`` go
+    to ``dead_letters`` with reason ``seq_conflict``. Events of an episode in
+    ``already_emitted`` (committed by an earlier micro-batch) are all
+    duplicates. Counter ``pipeline/duplicates``.
+
+    Returns:
+        A ``DoOutputsTuple`` with ``episodes`` (main) and ``dead_letters``.
+    """
+
+    def __init__(self, *, already_emitted: Iterable[str] = ()) -> None:
+        super().__init__()
+        self._already = frozenset(already_emitted)
+
+    def expand(self, grouped):
+        return grouped | "Dedupe" >> beam.ParDo(_DedupeFn(self._already)).with_output_types(
+            Tuple[str, List[Event]]).with_outputs(DEAD_LETTER_TAG, main="episodes")
+
+
+class _DecideFn(beam.DoFn):
+    """Batch decision per episode against the run's event-time clock (a side input)."""
+
+    def __init__(self, incomplete_after_s: float) -> None:
+        self._after = incomplete_after_s
+        self._counters = {
+            k: Metrics.counter(METRICS_NAMESPACE, k)
+            for k in ("events_used", "events_incomplete", "events_pending_out",
+                      "episodes_complete", "episodes_incomplete", "episodes_pending")
+        }
+
+    def process(self, element: tuple[str, list[Event]], clock_s: float) -> Iterator[Any]:
+        episode_id, events = element
+        decision, reason = decide(events, clock_s=clock_s, incomplete_after_s=self._after)
+        if decision == "pending":
+            self._counters["events_pending_out"].inc(len(events))
+            self._counters["episodes_pending"].inc()
+            yield beam.pvalue.TaggedOutput(PENDING_TAG, (episode_id, events))
+            return
+        complete = decision == "complete"
+        self._counters["events_used" if complete else "events_incomplete"].inc(len(events))
+        self._counters["episodes_complete" if complete else "episodes_incomplete"].inc()
+        episode = assemble_episode(episode_id, events, complete=complete, reason=reason)
+        yield episode if complete else beam.pvalue.TaggedOutput(INCOMPLETE_TAG, episode)
+
+
+class _EventTimeFn(beam.DoFn):
+    """Latest event time of a fragment (epoch seconds), also recorded as a distribution."""
+
+    def __init__(self) -> None:
+        self._dist = Metrics.distribution(METRICS_NAMESPACE, EVENT_TIME_METRIC)
+
+    def process(self, fragment: tuple[str, list[Event]]) -> Iterator[float]:
+        ts = max(e.event_time for e in fragment[1]).timestamp()
+        self._dist.update(int(ts * 1000))
+        yield ts
+
+
+class AssembleEpisodes(beam.PTransform):
+    """Fragments → complete :class:`Episode` s, plus ``pending``, ``incomplete`` and ``dead_letters``.
+
+    Steps: ``GroupByKey`` by episode → :class:`DedupeEvents` → decide each
+    episode against the event-time clock ``max(clock_floor_s, latest event
+    time in the input)``: complete (``seq`` 0..n gap-free, started and
+    finished) → main output; unfinished or gapped and idle for more than
+    ``incomplete_after_s`` → ``incomplete`` (Episode with
+    ``complete=False``); otherwise → ``pending`` as ``(episode_id, events)``
+    for the next micro-batch.
+
+    Args:
+        incomplete_after_s: idle event time before giving up on an episode.
+        clock_floor_s: the clock of earlier runs (so it never goes back).
+        already_emitted: episode ids committed by earlier micro-batches.
+
+    Returns:
+        A ``DoOutputsTuple`` with ``episodes`` (main), ``pending``,
+        ``incomplete`` and ``dead_letters``.
+    """
+
+    def __init__(self, *, incomplete_after_s: float = 3600.0, clock_floor_s: float = 0.0,
+                 already_emitted: Iterable[str] = ()) -> None:
+        super().__init__()
+        if incomplete_after_s < 0:
+            raise ValueError(f"`incomplete_after_s` must be >= 0, got {incomplete_after_s}")
+        self._after = incomplete_after_s
+        self._floor = clock_floor_s
+        self._already = frozenset(already_emitted)
+
+    def expand(self, fragments):
+        floor = self._floor
+        clock = (
+            fragments
+            | "EventTimes" >> beam.ParDo(_EventTimeFn())
+            | "Clock" >> beam.CombineGlobally(lambda ts: max([floor, *ts]))
+        )
+        deduped = (
+            fragments
+            | "GroupByEpisode" >> beam.GroupByKey()
+            | "DedupeEvents" >> DedupeEvents(already_emitted=self._already)
+        )
+        decided = deduped.episodes | "Decide" >> beam.ParDo(
+            _DecideFn(self._after), clock_s=beam.pvalue.AsSingleton(clock)
+        ).with_output_types(Episode).with_outputs(PENDING_TAG, INCOMPLETE_TAG, main="episodes")
+        return {
+            "episodes": decided.episodes,
+            PENDING_TAG: decided[PENDING_TAG],
+            INCOMPLETE_TAG: decided[INCOMPLETE_TAG],
+            DEAD_LETTER_TAG: deduped[DEAD_LETTER_TAG],
+        }
+
+
+class _AssembleStatefulFn(beam.DoFn):
+    """Streaming assembly: per-episode bag of events + an event-time idle timer."""
+
+    EVENTS = BagStateSpec("events", PickleCoder())
+    DONE = ReadModifyWriteStateSpec("done", PickleCoder())
+    IDLE = TimerSpec("idle", TimeDomain.WATERMARK)
+
+    def __init__(self, incomplete_after_s: float) -> None:
+        self._after = incomplete_after_s
+        self._dups = Metrics.counter(METRICS_NAMESPACE, "duplicates")
+        self._complete = Metrics.counter(METRICS_NAMESPACE, "episodes_complete")
+        self._incomplete = Metrics.counter(METRICS_NAMESPACE, "episodes_incomplete")
+
+    def process(self, element: tuple[str, list[Event]], events_state=beam.DoFn.StateParam(EVENTS),
+                done_state=beam.DoFn.StateParam(DONE), idle=beam.DoFn.TimerParam(IDLE)) -> Iterator[Episode]:
+        episode_id, fragment = element
+        if done_state.read():
+            self._dups.inc(len(fragment))  # late copies of an episode already emitted
+            return
+        for ev in fragment:
+            events_state.add(ev)
+        unique, dups, _ = dedupe_events(events_state.read())
+        complete, reason = _status(unique)
+        if complete:
+            self._dups.inc(dups)
+            self._complete.inc()
+            events_state.clear()
+            done_state.write(True)
+            yield assemble_episode(episode_id, unique, complete=True, reason=None)
+            return
+        last = max(e.event_time for e in unique).timestamp()
+        idle.set(Timestamp.of(last + self._after))
+
+    @on_timer(IDLE)
+    def on_idle(self, events_state=beam.DoFn.StateParam(EVENTS), done_state=beam.DoFn.StateParam(DONE),
+                key=beam.DoFn.KeyParam) -> Iterator[Any]:
+        unique, dups, _ = dedupe_events(events_state.read())
+        events_state.clear()
+        if not unique or done_state.read():
+            return
+        done_state.write(True)
+        self._dups.inc(dups)
+        self._incomplete.inc()
+        _, reason = _status(unique)
+        yield beam.pvalue.TaggedOutput(INCOMPLETE_TAG, assemble_episode(key, unique, complete=False, reason=reason))
+
+
+class AssembleEpisodesStreaming(beam.PTransform):
+    """Streaming twin of :class:`AssembleEpisodes` (same core functions, stateful DoFn).
+
+    Input elements must carry event-time timestamps (the source's job). An
+    episode is emitted once complete; one idle for ``incomplete_after_s`` of
+    event time (watermark) goes to ``incomplete``. A late copy of an emitted
+    episode's event is counted as a duplicate (the ``done`` flag stays in
+    state for the key's lifetime).
+
+    Returns:
+        A ``DoOutputsTuple`` with ``episodes`` (main) and ``incomplete``.
+    """
+
+    def __init__(self, *, incomplete_after_s: float = 3600.0) -> None:
+        super().__init__()
+        self._after = incomplete_after_s
+
+    def expand(self, fragments):
+        return fragments | "AssembleStateful" >> beam.ParDo(_AssembleStatefulFn(self._after)).with_output_types(Episode).with_outputs(
+            INCOMPLETE_TAG, main="episodes"
+        )

@@ -1,0 +1,102 @@
+"""ClipTrajectories: cap steps and action tokens per trajectory without losing credit.
+
+Rule (applied after rewards, before normalization), with ``K`` the step cap
+and ``M`` the action-token cap (0 disables either):
+
+1. Keep step ``k`` while ``k < K`` and the tokens of the steps before it
+   are ``< M`` (the step *starts* inside the budget).
+2. The kept step that crosses the budget keeps its tokens, but those past
+   ``M`` get ``loss_mask = False``: the sequence stays exactly what the
+   behaviour policy produced (so logprobs can be recomputed), the loss
+   ignores the overflow.
+3. The dropped tail's credit is folded into the last kept step ``j``:
+   ``r'_j = r_j + gamma * G_{j+1}``. Returns ``G_t`` and advantages ``A_t``
+   of the kept steps are those of the full episode, so ``G_j = r'_j`` still
+   holds and no credit is lost; ``G_0`` (the episode return) is unchanged.
+
+The episode is flagged ``clipped`` with ``steps_dropped`` / ``tokens_masked``.
+
+Examples:
+    >>> import numpy as np
+    >>> keep, masked_from = plan_clip(np.array([100, 300, 50]), max_steps=0, max_action_tokens=250)
+    >>> keep, masked_from  # step 1 starts at token 100 < 250: kept, its tokens from 150 on masked
+    (2, 150)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import apache_beam as beam
+import msgspec
+import numpy as np
+from apache_beam.metrics import Metrics
+
+from pipelines.types import METRICS_NAMESPACE, Episode
+
+__all__ = ["ClipTrajectories", "plan_clip", "clip_episode"]
+
+
+def plan_clip(action_tokens: np.ndarray, *, max_steps: int, max_action_tokens: int) -> tuple[int, int | None]:
+    """``(steps kept, index in the last kept step from which tokens are masked or None)``."""
+    T = len(action_tokens)
+    keep = min(T, max_steps) if max_steps else T
+    if not max_action_tokens:
+        return keep, None
+    before = np.concatenate([[0], np.cumsum(action_tokens)])  # tokens before step k
+    keep = min(keep, int(np.sum(before[:T] < max_action_tokens))) or min(1, T)
+    last = keep - 1
+    over = before[last] + action_tokens[last] - max_action_tokens if keep else 0
+    return keep, (int(max_action_tokens - before[last]) if over > 0 else None)
+
+
+def clip_episode(episode: Episode, *, max_steps: int, max_action_tokens: int, gamma: float) -> Episode:
+    """Apply the module's rule to an episode with rewards (returns a copy)."""
+    n_tok = np.array([len(s.action_token_ids) for s in episode.steps], dtype=np.int64)
+    keep, masked_from = plan_clip(n_tok, max_steps=max_steps, max_action_tokens=max_action_tokens)
+    T = len(episode.steps)
+    if keep == T and masked_from is None:
+        return episode
+    r = episode.rewards[:keep].copy()
+    if keep < T:
+        r[keep - 1] += gamma * episode.returns[keep]
+    masks = [m.copy() for m in episode.loss_masks[:keep]]
+    tokens_masked = 0
+    if masked_from is not None:
+        tokens_masked = int(masks[-1][masked_from:].sum())
+        masks[-1][masked_from:] = False
+    return msgspec.structs.replace(
+        episode, steps=episode.steps[:keep], verdicts=episode.verdicts[:keep], rewards=r,
+        returns=episode.returns[:keep].copy(), advantages=episode.advantages[:keep].copy(), loss_masks=masks,
+        clipped=True, steps_dropped=T - keep, tokens_masked=tokens_masked,
+    )
+
+
+class _ClipFn(beam.DoFn):
+    def __init__(self, max_steps: int, max_action_tokens: int, gamma: float) -> None:
+        self._args = dict(max_steps=max_steps, max_action_tokens=max_action_tokens, gamma=gamma)
+        self._clipped = Metrics.counter(METRICS_NAMESPACE, "episodes_clipped")
+        self._dropped = Metrics.counter(METRICS_NAMESPACE, "steps_dropped_by_clip")
+
+    def process(self, episode: Episode) -> Iterator[Episode]:
+        out = clip_episode(episode, **self._args)
+        if out.clipped:
+            self._clipped.inc()
+            self._dropped.inc(out.steps_dropped)
+        yield out
+
+
+class ClipTrajectories(beam.PTransform):
+    """Cap steps (``max_steps``) and action tokens (``max_action_tokens``) per trajectory.
+
+    See the module docstring for the credit-preserving rule; 0 disables a cap.
+    """
+
+    def __init__(self, *, max_steps: int = 0, max_action_tokens: int = 0, gamma: float = 1.0) -> None:
+        super().__init__()
+        if max_steps < 0 or max_action_tokens < 0:
+            raise ValueError("`max_steps` and `max_action_tokens` must be >= 0 (0 disables the cap)")
+        self._args = (max_steps, max_action_tokens, gamma)
+
+    def expand(self, episodes):
+        return episodes | "Clip" >> beam.ParDo(_ClipFn(*self._args)).with_output_types(Episode)

@@ -1,0 +1,296 @@
+"""The dataset commit protocol: staged files → manifest (commit point) → renames.
+
+Layout under ``<out>`` for dataset version ``V = <recipe name>-<hash8>``::
+
+    steps/recipe=V/domain=D/c<n>-s<k>.parquet          data (visible once committed)
+    trajectories/recipe=V/domain=D/c<n>-s<k>.parquet
+    dead_letters/recipe=V/c<n>.parquet
+    _manifests/V/<n>.json                               one per commit, the commit point
+    _state/norm-<recipe hash>.json                      persisted normalization statistics
+    _state/V/pending-<n>.arrow                          events of unfinished episodes after commit n
+    _staging/V/<n>/...                                  files of commit n before it is committed
+
+Commit ``n`` (driver side, after the Beam job has written ``_staging/V/<n>/``):
+
+1. merge this run's statistics into the persisted ones, stage the result;
+2. write the manifest ``_manifests/V/<n>.json`` (tmp + fsync + rename): the
+   **commit point**; it names every file (staged and final path, rows), the
+   input it covers (archive commits or Kafka offsets), the counts, the
+   event-time clock and the state files;
+3. rename every staged file into place (``os.replace``), then drop the
+   staging directory and older pending files.
+
+:func:`recover` runs before every job: a staging directory whose manifest
+exists is rolled forward (step 3 redone; idempotent), one without is rolled
+back (deleted). A crash anywhere plus a rerun therefore yields the same
+dataset, and a rerun of covered input adds nothing.
+
+Examples:
+    >>> m = DatasetManifest(commit=1, version="outcome-0a1b2c3d", recipe_hash="0a1b", source="archive")
+    >>> msgspec.json.decode(msgspec.json.encode(m), type=DatasetManifest).commit
+    1
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pyarrow.parquet as pq
+
+from pipelines.normalize import NormState, RunningStats, load_norm_state
+from pipelines.sinks import PENDING_FILE, RUN_STATS_FILE, STAGED_SUFFIX
+from schemas.datasets import DATASET_SCHEMA_VERSION
+from schemas.events import SCHEMA_VERSION
+
+__all__ = [
+    "DatasetManifest",
+    "CommittedFile",
+    "DatasetLayout",
+    "CommitError",
+    "read_manifests",
+    "recover",
+    "commit_staged",
+]
+
+_LOG = logging.getLogger(__name__)
+
+
+class CommitError(RuntimeError):
+    """A dataset directory in a state the commit protocol cannot resolve (or a simulated crash)."""
+
+
+class CommittedFile(msgspec.Struct, frozen=True, kw_only=True):
+    """One file of a commit.
+
+    Attributes:
+        path: final path, relative to ``<out>``.
+        staged: staged path, relative to ``<out>``.
+        rows: rows in the file (0 for state files).
+    """
+
+    path: str
+    staged: str
+    rows: int = 0
+
+
+class DatasetManifest(msgspec.Struct, kw_only=True):
+    """One dataset commit (``_manifests/<version>/<n>.json``).
+
+    Attributes:
+        commit: commit number, from 1, gap-free per version.
+        version: dataset version ``<recipe name>-<hash8>``.
+        recipe_hash: full sha256 of the recipe's canonical JSON.
+        recipe: the recipe's fields (as in its YAML form).
+        source: ``archive``, ``kafka`` or ``raw``.
+        archive_dir: the archive read (archive source).
+        archive_commits: archive commits this commit covers.
+        offsets: ``topic -> partition -> [start, end)`` covered (Kafka source).
+        files: every file of the commit (data and state).
+        pending_file: the pending-state file after this commit (None: nothing pending).
+        norm_file: the persisted statistics file.
+        clock_s: event-time clock (epoch seconds) after this commit.
+        counts: the run's counts (events_in, episodes, steps, dead_letters, ...).
+        schema_version: dataset row layout version.
+        event_schema_version: event-model version of this reader.
+        created_at: when the commit was made (UTC).
+    """
+
+    commit: int
+    version: str
+    recipe_hash: str
+    source: str
+    recipe: dict[str, Any] = {}
+    archive_dir: str | None = None
+    archive_commits: list[int] = []
+    offsets: dict[str, dict[int, list[int]]] = {}
+    files: list[CommittedFile] = []
+    pending_file: str | None = None
+    norm_file: str | None = None
+    clock_s: float = 0.0
+    counts: dict[str, int] = {}
+    schema_version: int = DATASET_SCHEMA_VERSION
+    event_schema_version: int = SCHEMA_VERSION
+    created_at: datetime = msgspec.field(default_factory=lambda: datetime.now(timezone.utc))
+
+
+class DatasetLayout(msgspec.Struct, frozen=True):
+    """Paths of one dataset version under ``out``.
+
+    Attributes:
+        out: the dataset root.
+        version: ``<recipe name>-<hash8>``.
+        recipe_hash: the recipe's full hash.
+    """
+
+    out: str
+    version: str
+    recipe_hash: str
+
+    @property
+    def root(self) -> Path:
+        return Path(self.out)
+
+    @property
+    def manifests(self) -> Path:
+        return self.root / "_manifests" / self.version
+
+    @property
+    def staging_root(self) -> Path:
+        return self.root / "_staging" / self.version
+
+    def staging(self, commit: int) -> Path:
+        return self.staging_root / f"{commit:08d}"
+
+    @property
+    def norm_file(self) -> str:
+        return f"_state/norm-{self.recipe_hash}.json"
+
+    def pending_file(self, commit: int) -> str:
+        return f"_state/{self.version}/pending-{commit:08d}.arrow"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def read_manifests(layout: DatasetLayout) -> list[DatasetManifest]:
+    """The committed manifests of a version, in commit order.
+
+    Raises:
+        CommitError: a manifest is unreadable or commit numbers have a gap.
+    """
+    out = []
+    for path in sorted(layout.manifests.glob("*.json")):
+        try:
+            out.append(msgspec.json.decode(path.read_bytes(), type=DatasetManifest))
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            raise CommitError(f"dataset manifest {path} is unreadable: {err}") from err
+    for i, m in enumerate(out, start=1):
+        if m.commit != i:
+            raise CommitError(f"{layout.manifests} has commit {m.commit} where {i} was expected (gap)")
+    return out
+
+
+def _roll_forward(layout: DatasetLayout, manifest: DatasetManifest) -> int:
+    moved = 0
+    for f in manifest.files:
+        src, dst = layout.root / f.staged, layout.root / f.path
+        if src.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, dst)
+            moved += 1
+    for d in {(layout.root / f.path).parent for f in manifest.files}:
+        if d.exists():
+            _fsync_dir(d)
+    shutil.rmtree(layout.staging(manifest.commit), ignore_errors=True)
+    for d in (layout.staging_root, layout.staging_root.parent):
+        if d.exists() and not any(d.iterdir()):
+            d.rmdir()
+    # Pending state of earlier commits is superseded by this one's.
+    keep = {manifest.pending_file}
+    for old in (layout.root / "_state" / layout.version).glob("pending-*.arrow"):
+        if str(old.relative_to(layout.root)) not in keep:
+            old.unlink()
+    return moved
+
+
+def recover(layout: DatasetLayout) -> dict[str, int]:
+    """Finish or undo interrupted commits of a version; ``{"rolled_forward": .., "rolled_back": ..}``."""
+    manifests = {m.commit: m for m in read_manifests(layout)}
+    fixed = {"rolled_forward": 0, "rolled_back": 0}
+    if not layout.staging_root.exists():
+        return fixed
+    for d in sorted(layout.staging_root.iterdir()):
+        n = int(d.name) if d.name.isdigit() else None
+        if n is not None and n in manifests:
+            _LOG.warning("rolling forward interrupted dataset commit %s of %s", n, layout.version)
+            _roll_forward(layout, manifests[n])
+            fixed["rolled_forward"] += 1
+        else:
+            _LOG.warning("rolling back uncommitted staging directory %s", d)
+            shutil.rmtree(d)
+            fixed["rolled_back"] += 1
+    return fixed
+
+
+def commit_staged(
+    layout: DatasetLayout,
+    manifest: DatasetManifest,
+    *,
+    prior_norm: NormState,
+    crash_at: str | None = None,
+) -> DatasetManifest:
+    """Commit the staged files of ``manifest.commit`` (see the module docstring).
+
+    Args:
+        layout: the version's paths.
+        manifest: the manifest to write; ``files``, ``pending_file`` and
+            ``norm_file`` are filled in here from the staging directory.
+        prior_norm: persisted statistics before this run.
+        crash_at: test hook simulating a crash: ``before_manifest`` or
+            ``after_manifest`` (manifest written, one file renamed).
+
+    Returns:
+        The manifest as written.
+
+    Raises:
+        CommitError: for a simulated crash.
+    """
+    n = manifest.commit
+    staging = layout.staging(n)
+    staged_rel = lambda p: str(p.relative_to(layout.root))  # noqa: E731
+    files: list[CommittedFile] = []
+    run_stats: dict[str, RunningStats] = {}
+    pending_file = None
+    for p in sorted(staging.rglob(f"*{STAGED_SUFFIX}")):
+        rel = str(p.relative_to(staging))[: -len(STAGED_SUFFIX)]
+        if rel == f"state/{RUN_STATS_FILE}":
+            run_stats = msgspec.json.decode(p.read_bytes(), type=dict[str, RunningStats])
+            continue
+        if rel == f"state/{PENDING_FILE}":
+            pending_file = layout.pending_file(n)
+            files.append(CommittedFile(path=pending_file, staged=staged_rel(p)))
+            continue
+        files.append(CommittedFile(path=rel, staged=staged_rel(p), rows=pq.ParquetFile(p).metadata.num_rows))
+    norm = prior_norm.merged(run_stats)
+    norm_staged = staging / "state" / ("norm.json" + STAGED_SUFFIX)
+    norm_staged.parent.mkdir(parents=True, exist_ok=True)
+    norm_staged.write_bytes(msgspec.json.encode(norm, order="sorted"))
+    files.append(CommittedFile(path=layout.norm_file, staged=staged_rel(norm_staged)))
+    manifest = msgspec.structs.replace(manifest, files=files, pending_file=pending_file, norm_file=layout.norm_file)
+    if crash_at == "before_manifest":
+        raise CommitError(f"simulated crash before the manifest of commit {n}")
+    _atomic_write(layout.manifests / f"{n:08d}.json", msgspec.json.encode(manifest))
+    if crash_at == "after_manifest":
+        first = files[0]
+        (layout.root / first.path).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(layout.root / first.staged, layout.root / first.path)
+        raise CommitError(f"simulated crash after the manifest of commit {n}")
+    _roll_forward(layout, manifest)
+    return manifest
+
+
+def load_prior_norm(layout: DatasetLayout) -> NormState:
+    """The persisted normalization statistics of a version (empty if none)."""
+    return load_norm_state(layout.root / layout.norm_file, layout.recipe_hash)

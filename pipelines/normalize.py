@@ -1,0 +1,213 @@
+"""NormalizeByDomain: per-domain and per-task-group statistics, normalized advantages.
+
+Statistics are count/mean/M2 triples (Welford), merged with Chan et al.'s
+parallel formula (https://en.wikipedia.org/wiki/Algorithms_for_calculating_variance#Parallel_algorithm)::
+
+    n = n_a + n_b,  d = mean_b - mean_a
+    mean = mean_a + d * n_b / n
+    M2 = M2_a + M2_b + d^2 * n_a * n_b / n,   std = sqrt(M2 / n)  (population)
+
+Three families, all persisted across micro-batches in
+``<out>/_state/norm-<recipe hash>.json`` (merged and saved at commit):
+
+* ``advantage/<domain>``: the per-step advantages ``A_t`` of the domain;
+  ``normalization: domain`` gives ``adv_norm_t = (A_t - mean_d) / (std_d + eps)``.
+* ``return/<domain>``: episode returns ``G_0``; ``normalized_return``.
+* ``group/<task_group>``: episode returns of a GRPO group;
+  ``group_advantage = (G_0 - mean_g) / (std_g + eps)`` (arXiv:2402.03300 §4.1.2),
+  and ``normalization: group`` uses it as every step's ``adv_norm_t``.
+
+Within a run the statistics come from a ``CombinePerKey`` (side input),
+merged with the persisted ones of earlier runs, so every episode of one run
+is normalized with the same numbers; over a single run from empty state the
+domain-normalized advantages have mean 0 and std ``std/(std+eps)`` ≈ 1.
+
+Examples:
+    >>> a, b = RunningStats.of([1.0, 2.0]), RunningStats.of([3.0, 4.0, 5.0])
+    >>> m = a.merge(b); (m.n, m.mean, round(m.m2, 9))  # values 1..5: mean 3, M2 = 4+1+0+1+4 = 10
+    (5, 3.0, 10.0)
+    >>> round(m.std, 6)  # sqrt(10 / 5)
+    1.414214
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import apache_beam as beam
+import msgspec
+import numpy as np
+from apache_beam.metrics import Metrics
+
+from pipelines.recipes import Recipe
+from pipelines.types import METRICS_NAMESPACE, Episode
+
+__all__ = [
+    "RunningStats",
+    "NormState",
+    "StatsCombineFn",
+    "NormalizeByDomain",
+    "normalize_episode",
+    "load_norm_state",
+    "STATS_TAG",
+]
+
+STATS_TAG = "stats"
+
+
+class RunningStats(msgspec.Struct, frozen=True, array_like=True):
+    """Count, mean and sum of squared deviations (M2) of a stream of numbers.
+
+    Attributes:
+        n: number of values.
+        mean: their mean.
+        m2: sum of squared deviations from the mean.
+    """
+
+    n: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    @classmethod
+    def of(cls, values: Iterable[float] | np.ndarray) -> "RunningStats":
+        """Statistics of a batch of values (two-pass, exact)."""
+        x = np.asarray(values, dtype=np.float64)
+        if not len(x):
+            return cls()
+        mean = float(x.mean())
+        return cls(n=len(x), mean=mean, m2=float(((x - mean) ** 2).sum()))
+
+    def merge(self, other: "RunningStats") -> "RunningStats":
+        """Chan's parallel merge (see the module docstring)."""
+        if other.n == 0:
+            return self
+        if self.n == 0:
+            return other
+        n = self.n + other.n
+        d = other.mean - self.mean
+        return RunningStats(n=n, mean=self.mean + d * other.n / n, m2=self.m2 + other.m2 + d * d * self.n * other.n / n)
+
+    @property
+    def std(self) -> float:
+        """Population standard deviation (0 for fewer than 2 values)."""
+        return math.sqrt(self.m2 / self.n) if self.n > 1 else 0.0
+
+
+class NormState(msgspec.Struct, kw_only=True):
+    """Persisted statistics of one dataset version (``_state/norm-<hash>.json``).
+
+    Attributes:
+        recipe_hash: the recipe's content hash.
+        stats: ``<family>/<key>`` → statistics, families ``advantage``,
+            ``return`` (per domain) and ``group`` (per task group).
+    """
+
+    recipe_hash: str
+    stats: dict[str, RunningStats] = {}
+
+    def merged(self, run: Mapping[str, RunningStats]) -> "NormState":
+        """A new state with ``run``'s statistics merged in."""
+        out = dict(self.stats)
+        for k, s in run.items():
+            out[k] = out.get(k, RunningStats()).merge(s)
+        return NormState(recipe_hash=self.recipe_hash, stats=out)
+
+
+def load_norm_state(path: Path, recipe_hash: str) -> NormState:
+    """The persisted state at ``path``, or an empty one."""
+    if not path.exists():
+        return NormState(recipe_hash=recipe_hash)
+    return msgspec.json.decode(path.read_bytes(), type=NormState)
+
+
+class StatsCombineFn(beam.CombineFn):
+    """Combine batches of values (numpy arrays) into one :class:`RunningStats`."""
+
+    def create_accumulator(self) -> RunningStats:
+        return RunningStats()
+
+    def add_input(self, acc: RunningStats, values: np.ndarray) -> RunningStats:
+        return acc.merge(RunningStats.of(values))
+
+    def merge_accumulators(self, accs: Iterable[RunningStats]) -> RunningStats:
+        out = RunningStats()
+        for a in accs:
+            out = out.merge(a)
+        return out
+
+    def extract_output(self, acc: RunningStats) -> RunningStats:
+        return acc
+
+
+def _stat_inputs(episode: Episode) -> Iterator[tuple[str, np.ndarray]]:
+    yield f"advantage/{episode.domain}", episode.advantages
+    ret = np.array([episode.episode_return])
+    yield f"return/{episode.domain}", ret
+    yield f"group/{episode.task_group}", ret
+
+
+def normalize_episode(episode: Episode, stats: Mapping[str, RunningStats], *, mode: str, eps: float) -> Episode:
+    """A copy with ``normalized_advantages``, ``group_advantage`` and ``normalized_return`` set."""
+    adv = stats.get(f"advantage/{episode.domain}", RunningStats())
+    ret = stats.get(f"return/{episode.domain}", RunningStats())
+    grp = stats.get(f"group/{episode.task_group}", RunningStats())
+    R = episode.episode_return
+    group_adv = (R - grp.mean) / (grp.std + eps)
+    if mode == "domain":
+        adv_norm = (episode.advantages - adv.mean) / (adv.std + eps)
+    elif mode == "group":
+        adv_norm = np.full(len(episode.advantages), group_adv)
+    else:
+        adv_norm = episode.advantages.copy()
+    return msgspec.structs.replace(
+        episode, normalized_advantages=adv_norm, group_advantage=float(group_adv),
+        normalized_return=float((R - ret.mean) / (ret.std + eps)),
+    )
+
+
+class _NormalizeFn(beam.DoFn):
+    def __init__(self, prior: Mapping[str, RunningStats], mode: str, eps: float) -> None:
+        self._prior = dict(prior)
+        self._mode, self._eps = mode, eps
+        self._n = Metrics.counter(METRICS_NAMESPACE, "episodes_normalized")
+
+    def process(self, episode: Episode, run_stats: Mapping[str, RunningStats]) -> Iterator[Episode]:
+        # Merge only the three keys this episode needs (prior ⊕ this run).
+        keys = (f"advantage/{episode.domain}", f"return/{episode.domain}", f"group/{episode.task_group}")
+        stats = {k: self._prior.get(k, RunningStats()).merge(run_stats.get(k, RunningStats())) for k in keys}
+        self._n.inc()
+        yield normalize_episode(episode, stats, mode=self._mode, eps=self._eps)
+
+
+class NormalizeByDomain(beam.PTransform):
+    """Normalize advantages with per-domain / per-group statistics (prior runs ⊕ this run).
+
+    Args:
+        recipe: gives ``normalization`` (``domain``, ``group``, ``none``) and ``eps``.
+        prior: persisted statistics of earlier micro-batches (``NormState.stats``).
+
+    Returns:
+        ``{"episodes": normalized episodes, "stats": (key, RunningStats) of
+        this run only}`` — the job persists ``prior ⊕ stats`` at commit.
+    """
+
+    def __init__(self, recipe: Recipe, *, prior: Mapping[str, RunningStats] | None = None) -> None:
+        super().__init__()
+        self._recipe = recipe
+        self._prior = dict(prior or {})
+
+    def expand(self, episodes) -> dict[str, Any]:
+        run_stats = (
+            episodes
+            | "StatInputs" >> beam.FlatMap(_stat_inputs)
+            | "Stats" >> beam.CombinePerKey(StatsCombineFn())
+        )
+        normalized = episodes | "Normalize" >> beam.ParDo(
+            _NormalizeFn(self._prior, self._recipe.normalization, self._recipe.eps),
+            run_stats=beam.pvalue.AsDict(run_stats),
+        ).with_output_types(Episode)
+        return {"episodes": normalized, STATS_TAG: run_stats}
+

@@ -1,0 +1,246 @@
+"""Reward recipes: how an episode's outcome and verifications become per-step credit.
+
+A :class:`Recipe` is a typed config, loaded by name (:data:`BUILTIN_RECIPES`)
+or from a YAML file whose first line is the command that uses it::
+
+    # trajpipe pipeline run --source archive --archive data/archive --out data/datasets --recipe shaped.yaml
+    name: shaped
+    reward: verification_shaped
+    gamma: 0.95
+    verification_weight: 0.5
+
+Its :attr:`Recipe.content_hash` (sha256 of the canonical JSON of every field)
+names the dataset version ``<name>-<hash8>``: the same recipe always writes
+into the same version, any change to it writes a new version beside the old.
+
+Per step ``t`` of an episode with ``T`` steps and outcome reward ``R``
+(``episode_finished.outcome_reward``):
+
+* rewards ``r_t`` by :attr:`Recipe.reward`:
+
+  - ``outcome``: ``r_t = w_o * R * [t == T-1]`` (credit at the last step only; ``gamma`` defaults to 1).
+  - ``discounted``: the same rewards with ``gamma < 1`` (default 0.95), so
+    the return of step ``t`` is ``gamma^(T-1-t) * w_o * R``.
+  - ``verification_shaped``: ``r_t = w_v * s_t + w_o * R * [t == T-1] - step_penalty``
+    where ``s_t`` is the weighted mean score of the step's verdicts
+    (rollout-time and pipeline), weights ``verifier_weights[name]`` (default 1).
+  - ``prm``: ``r_t = w_p * prm(episode)[t] + w_o * R * [t == T-1]``; ``prm`` is an
+    import path ``module:function`` of a learned process-reward model
+    returning one score per step.
+
+  then clipped to ``[reward_min, reward_max]``.
+* return-to-go ``G_t = r_t + gamma * G_{t+1}``, ``G_T = 0``.
+* advantage: GAE(gamma, lambda) (Schulman et al. 2016, arXiv:1506.02438)
+  with a **zero value baseline** (the dataset has no critic):
+  ``delta_t = r_t + gamma*V(t+1) - V(t) = r_t`` and
+  ``A_t = sum_l (gamma*lambda)^l * delta_{t+l}``; with ``lambda = 1``,
+  ``A_t = G_t``. The baseline is subtracted by NormalizeByDomain: the
+  domain mean (``normalization: domain``) or the GRPO group mean
+  (``normalization: group``, Shao et al. 2024, arXiv:2402.03300 §4.1.2:
+  ``A_i = (R_i - mean(R_group)) / std(R_group)``).
+
+Examples:
+    >>> import numpy as np
+    >>> r = step_rewards(load_recipe("outcome"), outcome=1.0, step_scores=np.array([0.0, 0.0, 0.0]))
+    >>> r.tolist(), discounted_returns(r, gamma=0.5).tolist()
+    ([0.0, 0.0, 1.0], [0.25, 0.5, 1.0])
+    >>> load_recipe("outcome").version.startswith("outcome-")
+    True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+
+__all__ = [
+    "Recipe",
+    "RecipeError",
+    "BUILTIN_RECIPES",
+    "load_recipe",
+    "step_rewards",
+    "discounted_returns",
+    "gae_advantages",
+    "load_prm",
+]
+
+
+class RecipeError(ValueError):
+    """A recipe name, file or field that is not valid."""
+
+
+class Recipe(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A reward recipe (see the module docstring for the formulas).
+
+    Attributes:
+        name: recipe name; the dataset version is ``<name>-<hash8>``.
+        reward: ``outcome``, ``discounted``, ``verification_shaped`` or ``prm``.
+        gamma: discount factor in [0, 1].
+        lam: GAE lambda in [0, 1] (YAML key ``lambda``).
+        outcome_weight: ``w_o``, weight of the outcome reward.
+        verification_weight: ``w_v``, weight of the per-step verification score.
+        verifier_weights: weight per verifier name in ``s_t`` (default 1.0 each;
+            0 ignores a verifier).
+        step_penalty: subtracted from every step's reward (verification_shaped).
+        prm: ``module:function`` of the process-reward model (``prm`` recipes);
+            called as ``fn(episode) -> sequence of per-step scores``.
+        prm_weight: ``w_p``, weight of the PRM score.
+        reward_min: lower clip of ``r_t`` (None: no clip).
+        reward_max: upper clip of ``r_t`` (None: no clip).
+        normalization: ``domain`` (per-domain advantage statistics),
+            ``group`` (GRPO, per task group) or ``none``.
+        eps: added to the standard deviation when normalizing.
+        max_steps: ClipTrajectories step cap per trajectory (0: none).
+        max_action_tokens: ClipTrajectories cap on action tokens per trajectory (0: none).
+    """
+
+    name: str
+    reward: Literal["outcome", "discounted", "verification_shaped", "prm"] = "outcome"
+    gamma: float = 1.0
+    lam: float = msgspec.field(default=1.0, name="lambda")
+    outcome_weight: float = 1.0
+    verification_weight: float = 0.0
+    verifier_weights: dict[str, float] = {}
+    step_penalty: float = 0.0
+    prm: str | None = None
+    prm_weight: float = 1.0
+    reward_min: float | None = None
+    reward_max: float | None = None
+    normalization: Literal["domain", "group", "none"] = "domain"
+    eps: float = 1e-6
+    max_steps: int = 0
+    max_action_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name or "=" in self.name:
+            raise RecipeError(f"recipe `name` must be non-empty without '/' or '=', got {self.name!r}")
+        if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
+            raise RecipeError(f"`gamma` and `lambda` must be in [0, 1], got {self.gamma}, {self.lam}")
+        if self.reward == "prm" and not self.prm:
+            raise RecipeError("a `prm` recipe needs `prm: module:function` naming the process-reward model")
+        if self.reward_min is not None and self.reward_max is not None and self.reward_min > self.reward_max:
+            raise RecipeError(f"`reward_min` {self.reward_min} > `reward_max` {self.reward_max}")
+        if self.max_steps < 0 or self.max_action_tokens < 0:
+            raise RecipeError("`max_steps` and `max_action_tokens` must be >= 0 (0 disables the cap)")
+        if self.eps <= 0:
+            raise RecipeError(f"`eps` must be > 0, got {self.eps}")
+
+    @property
+    def content_hash(self) -> str:
+        """sha256 (hex) of the canonical JSON of all fields (sorted keys)."""
+        return hashlib.sha256(msgspec.json.encode(self, order="sorted")).hexdigest()
+
+    @property
+    def version(self) -> str:
+        """Dataset version name: ``<name>-<first 8 hex of content_hash>``."""
+        return f"{self.name}-{self.content_hash[:8]}"
+
+
+#: Recipes available by name.
+BUILTIN_RECIPES: dict[str, Recipe] = {
+    "outcome": Recipe(name="outcome", reward="outcome"),
+    "discounted": Recipe(name="discounted", reward="discounted", gamma=0.95),
+    "verification_shaped": Recipe(
+        name="verification_shaped", reward="verification_shaped", gamma=0.95, lam=0.95, verification_weight=0.5,
+        step_penalty=0.0, reward_min=-1.0, reward_max=2.0,
+    ),
+}
+
+
+def load_recipe(spec: str | Path, **overrides: Any) -> Recipe:
+    """A recipe by builtin name or YAML file path, with optional field overrides.
+
+    Raises:
+        RecipeError: unknown name, unreadable file, or invalid fields.
+    """
+    import yaml
+
+    spec_s = str(spec)
+    if spec_s in BUILTIN_RECIPES and not Path(spec_s).is_file():
+        data = msgspec.structs.asdict(BUILTIN_RECIPES[spec_s])
+        data["lambda"] = data.pop("lam")
+    else:
+        path = Path(spec_s)
+        if not path.is_file():
+            raise RecipeError(
+                f"`--recipe` {spec_s!r} is neither a builtin ({', '.join(BUILTIN_RECIPES)}) nor a YAML file"
+            )
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise RecipeError(f"recipe file {path}: {err}") from err
+        if not isinstance(data, dict):
+            raise RecipeError(f"recipe file {path} must hold a mapping of fields")
+        data.setdefault("name", path.stem)
+    data.update(overrides)
+    try:
+        return msgspec.convert(data, Recipe)
+    except msgspec.ValidationError as err:
+        raise RecipeError(f"recipe {spec_s!r}: {err}") from err
+
+
+def step_rewards(
+    recipe: Recipe,
+    *,
+    outcome: float,
+    step_scores: np.ndarray,
+    prm_scores: np.ndarray | None = None,
+) -> np.ndarray:
+    """Per-step rewards ``r_t`` (float64, shape ``[T]``) of one episode.
+
+    Args:
+        recipe: the recipe.
+        outcome: the outcome reward ``R``.
+        step_scores: ``s_t``, the weighted verification score of each step.
+        prm_scores: the PRM's score of each step (``prm`` recipes).
+    """
+    T = len(step_scores)
+    r = np.zeros(T, dtype=np.float64)
+    if T == 0:
+        return r
+    if recipe.reward == "verification_shaped":
+        r += recipe.verification_weight * np.asarray(step_scores, dtype=np.float64) - recipe.step_penalty
+    elif recipe.reward == "prm":
+        if prm_scores is None or len(prm_scores) != T:
+            raise RecipeError(f"the PRM returned {None if prm_scores is None else len(prm_scores)} scores for {T} steps")
+        r += recipe.prm_weight * np.asarray(prm_scores, dtype=np.float64)
+    r[-1] += recipe.outcome_weight * outcome
+    if recipe.reward_min is not None or recipe.reward_max is not None:
+        r = np.clip(r, recipe.reward_min, recipe.reward_max)
+    return r
+
+
+def discounted_returns(rewards: np.ndarray, *, gamma: float) -> np.ndarray:
+    """Return-to-go ``G_t = r_t + gamma * G_{t+1}`` (``G_T = 0``)."""
+    G = np.zeros(len(rewards), dtype=np.float64)
+    running = 0.0
+    for t in range(len(rewards) - 1, -1, -1):
+        running = rewards[t] + gamma * running
+        G[t] = running
+    return G
+
+
+def gae_advantages(rewards: np.ndarray, *, gamma: float, lam: float) -> np.ndarray:
+    """GAE with a zero value baseline: ``A_t = sum_l (gamma*lam)^l r_{t+l}``."""
+    return discounted_returns(rewards, gamma=gamma * lam)
+
+
+def load_prm(path: str) -> Callable[..., Any]:
+    """Import the process-reward model named ``module:function``.
+
+    Raises:
+        RecipeError: the path is malformed or does not import.
+    """
+    module, _, attr = path.partition(":")
+    if not module or not attr:
+        raise RecipeError(f"`prm` must be 'module:function', got {path!r}")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise RecipeError(f"cannot import process-reward model {path!r}: {err}") from err

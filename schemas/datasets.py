@@ -1,0 +1,214 @@
+"""Row types of the training datasets the trajectory job writes (``steps/``, ``trajectories/``).
+
+The trainer reads the datasets through these classes; the Parquet schemas are
+derived from them with :func:`schemas.arrow.arrow_schema_for` (see
+:func:`step_file_schema`). Layout (docs/pipelines.md)::
+
+    <out>/steps/recipe=<name>-<hash8>/domain=<domain>/c<commit>-s<shard>.parquet
+    <out>/trajectories/recipe=<name>-<hash8>/domain=<domain>/c<commit>-s<shard>.parquet
+
+``recipe`` and ``domain`` are **hive partition keys only**: they are fields
+of the row classes (so a reader gets them back) but are not stored inside the
+files, so ``read_parquet('<out>/steps/**/*.parquet', hive_partitioning=true)``
+works without a column clash.
+
+Examples:
+    >>> sch = step_file_schema()
+    >>> "domain" in sch.names, "recipe" in sch.names, sch.field("action_token_ids").type
+    (False, False, ListType(list<item: int32>))
+    >>> trajectory_file_schema().field("episode_return").type
+    DataType(double)
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import msgspec
+import pyarrow as pa
+
+from schemas.events import LogProbs, TokenIds
+
+__all__ = [
+    "DATASET_SCHEMA_VERSION",
+    "PARTITION_KEYS",
+    "Verification",
+    "StepRow",
+    "TrajectoryRow",
+    "step_file_schema",
+    "trajectory_file_schema",
+]
+
+#: Version of the dataset row layout; recorded in every commit manifest.
+DATASET_SCHEMA_VERSION = 1
+
+#: Hive partition keys, in directory order; never stored as file columns.
+PARTITION_KEYS: tuple[str, ...] = ("recipe", "domain")
+
+
+class Verification(msgspec.Struct, kw_only=True, frozen=True):
+    """One verifier verdict on one step.
+
+    Attributes:
+        verifier: verifier name, e.g. ``code.tests_pass`` or ``pipeline.token_consistency``.
+        passed: whether the step passed.
+        score: graded score in [0, 1] (1.0/0.0 for binary verifiers).
+        details: human-readable detail (bounded).
+        source: ``rollout`` (a ``step_verified`` event recorded at rollout time)
+            or ``pipeline`` (computed by the trajectory job).
+    """
+
+    verifier: str
+    passed: bool
+    score: float
+    details: str = ""
+    source: str = "rollout"
+
+
+class StepRow(msgspec.Struct, kw_only=True):
+    """One training step: what the policy saw and did, and the credit it gets.
+
+    Attributes:
+        episode_id: the episode.
+        step_index: 0-based step position inside the episode.
+        event_id: ``event_id`` of the source ``step`` event (stable across reruns).
+        domain: environment domain. Partition key: not stored in the file.
+        recipe: dataset version ``<recipe name>-<hash8>``. Partition key: not stored in the file.
+        recipe_hash: full sha256 (hex) of the reward recipe's canonical JSON.
+        task_id: task inside the domain.
+        task_group: GRPO group of rollouts of the same task.
+        policy_version: version of the behaviour policy that acted.
+        status: how the episode ended (``success``, ``failure``, ...).
+        num_steps: steps of the episode as written (after clipping).
+        observation_token_ids: tokens the policy saw new before this action
+            (context, not trained on), shape ``[obs_tokens]``, int32.
+        action_token_ids: tokens the policy produced, shape ``[action_tokens]``, int32.
+        behaviour_logprobs: log-prob of each action token under the behaviour
+            policy (natural log, <= 0), shape ``[action_tokens]``, float32; empty if
+            the rollout did not record them.
+        loss_mask: per action token, whether the loss uses it, shape ``[action_tokens]``.
+        reward: per-step reward ``r_t`` from the recipe (after clipping limits;
+            for the last kept step of a clipped episode it includes the folded tail).
+        return_to_go: ``G_t = sum_{k>=t} gamma^(k-t) r_k`` over the full episode.
+        advantage: ``A_t``, GAE(gamma, lambda) with a zero value baseline (see
+            pipelines.recipes), before normalization.
+        normalized_advantage: ``A_t`` normalized per the recipe's
+            ``normalization`` mode (domain statistics or GRPO group).
+        group_advantage: GRPO outcome advantage of the episode,
+            ``(G_0 - mean_group) / (std_group + eps)``, repeated on every step.
+        verifications: every verdict on this step (rollout-time and pipeline).
+        verification_score: mean score of the verdicts (0 if none).
+        clipped: this step was changed by ClipTrajectories (tokens masked or tail folded in).
+        event_time: event time of the step (UTC).
+    """
+
+    episode_id: str
+    step_index: int
+    event_id: str
+    domain: str
+    recipe: str
+    recipe_hash: str
+    task_id: str
+    task_group: str
+    policy_version: int
+    status: str
+    num_steps: int
+    observation_token_ids: TokenIds
+    action_token_ids: TokenIds
+    behaviour_logprobs: LogProbs
+    loss_mask: list[bool]
+    reward: float
+    return_to_go: float
+    advantage: float
+    normalized_advantage: float
+    group_advantage: float
+    verifications: list[Verification]
+    verification_score: float
+    clipped: bool
+    event_time: datetime
+
+
+class TrajectoryRow(msgspec.Struct, kw_only=True):
+    """One episode: its outcome, its credit and how it was processed.
+
+    Incomplete episodes (never finished, or with a ``seq`` gap, after
+    ``--incomplete-after`` seconds of event time without news) get a row with
+    ``complete=False`` and no rows in ``steps/``: they are reported, never
+    trained on.
+
+    Attributes:
+        episode_id: the episode.
+        domain: environment domain. Partition key: not stored in the file.
+        recipe: dataset version ``<recipe name>-<hash8>``. Partition key: not stored in the file.
+        recipe_hash: full sha256 (hex) of the reward recipe's canonical JSON.
+        task_id: task inside the domain.
+        task_group: GRPO group of rollouts of the same task.
+        policy_version: version of the behaviour policy.
+        difficulty: task difficulty level from ``episode_started`` (0 if unknown).
+        status: ``episode_finished.status``, or ``incomplete``.
+        complete: the episode is gap-free and finished (it has rows in ``steps/``).
+        incomplete_reason: ``unfinished``, ``gap`` or ``no_start`` when not complete.
+        num_events: distinct events the episode is made of.
+        num_steps: steps written to ``steps/`` (after clipping).
+        steps_dropped: steps removed by the step/token cap.
+        action_tokens: action tokens of the written steps.
+        tokens_masked: action tokens masked out of the loss by the token cap.
+        clipped: ClipTrajectories changed this episode.
+        outcome_reward: ``episode_finished.outcome_reward`` (0 if incomplete).
+        episode_return: ``G_0`` under the recipe.
+        normalized_return: ``(G_0 - mean_domain) / (std_domain + eps)`` with the
+            domain's persisted return statistics.
+        group_advantage: ``(G_0 - mean_group) / (std_group + eps)`` (GRPO).
+        verifier_summary: ``episode_finished.verifier_summary``.
+        steps_passed: steps whose verdicts all passed.
+        first_event_time: earliest event time (UTC).
+        last_event_time: latest event time (UTC).
+    """
+
+    episode_id: str
+    domain: str
+    recipe: str
+    recipe_hash: str
+    task_id: str
+    task_group: str
+    policy_version: int
+    difficulty: int
+    status: str
+    complete: bool
+    incomplete_reason: str | None
+    num_events: int
+    num_steps: int
+    steps_dropped: int
+    action_tokens: int
+    tokens_masked: int
+    clipped: bool
+    outcome_reward: float
+    episode_return: float
+    normalized_return: float
+    group_advantage: float
+    verifier_summary: str
+    steps_passed: int
+    first_event_time: datetime
+    last_event_time: datetime
+
+
+def step_file_schema() -> pa.Schema:
+    """Arrow schema of a ``steps/`` Parquet file (StepRow minus the partition keys)."""
+    return _STEP_SCHEMA
+
+
+def trajectory_file_schema() -> pa.Schema:
+    """Arrow schema of a ``trajectories/`` Parquet file (TrajectoryRow minus the partition keys)."""
+    return _TRAJ_SCHEMA
+
+
+def _derive() -> tuple[pa.Schema, pa.Schema]:
+    from schemas.arrow import arrow_schema_for  # schemas.arrow imports schemas.events only
+
+    return (
+        arrow_schema_for(StepRow, exclude=PARTITION_KEYS),
+        arrow_schema_for(TrajectoryRow, exclude=PARTITION_KEYS),
+    )
+
+
+_STEP_SCHEMA, _TRAJ_SCHEMA = _derive()

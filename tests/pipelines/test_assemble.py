@@ -1,0 +1,53 @@
+"""DedupeEvents + AssembleEpisodes (batch) and the streaming stateful twin."""
+
+import apache_beam as beam
+import msgspec
+from apache_beam.testing.util import assert_that, equal_to
+
+from pipelines.assemble import AssembleEpisodes, AssembleEpisodesStreaming, DedupeEvents, dedupe_events
+from tests.pipelines.helpers import episodes, make_pipeline
+
+
+def test_dedupe_counts_copies_and_conflicts():
+    ep = episodes(1)[0]
+    other = msgspec.structs.replace(ep[2], event_id="not-canonical")
+    unique, dups, conflicts = dedupe_events([ep[3], *ep, ep[0], other])
+    assert [e.seq for e in unique] == list(range(len(ep))) and dups == 2
+    assert [c.event_id for c in conflicts] == ["not-canonical"]
+
+
+def test_dedupe_transform():
+    ep = episodes(1)[0]
+    with make_pipeline() as p:
+        out = (p | beam.Create([(ep[0].episode_id, [ep[:3], ep[1:]])]) | DedupeEvents())
+        assert_that(out.episodes | beam.Map(lambda kv: (kv[0], [e.seq for e in kv[1]])),
+                    equal_to([(ep[0].episode_id, [e.seq for e in ep])]))
+
+
+def test_complete_pending_incomplete_and_gap():
+    eps = episodes(4, seed=9)  # synthetic episode i starts at base + i seconds
+    c, a, d, b = eps
+    # a: complete, split over two fragments with a duplicate; b: unfinished and the newest (it sets the
+    # clock) -> pending; c (3 s older) unfinished -> incomplete; d (~1 s older) has a seq gap -> incomplete.
+    frags = [(a[0].episode_id, a[:4]), (a[0].episode_id, a[3:]), (b[0].episode_id, b[:-1]),
+             (c[0].episode_id, c[:-1]), (d[0].episode_id, d[:2] + d[3:])]
+    with make_pipeline() as p:
+        out = p | beam.Create(frags) | AssembleEpisodes(incomplete_after_s=0.5, clock_floor_s=0)
+        assert_that(out["episodes"] | beam.Map(lambda e: (e.episode_id, e.complete, len(e.steps), e.num_events)),
+                    equal_to([(a[0].episode_id, True, a[-1].num_steps, len(a))]), label="complete")
+        assert_that(out["pending"] | beam.Map(lambda kv: kv[0]), equal_to([b[0].episode_id]), label="pending")
+        assert_that(out["incomplete"] | beam.Map(lambda e: (e.episode_id, e.incomplete_reason)),
+                    equal_to([(c[0].episode_id, "unfinished"), (d[0].episode_id, "gap")]), label="incomplete")
+
+
+def test_streaming_assembler_emits_complete_and_times_out_unfinished():
+    a, b = episodes(2, seed=11)
+    frags = [(a[0].episode_id, a[:3]), (a[0].episode_id, a[2:]), (b[0].episode_id, b[:-1])]
+    with make_pipeline() as p:
+        stamped = (p | beam.Create(frags)
+                   | beam.Map(lambda f: beam.window.TimestampedValue(f, max(e.event_time for e in f[1]).timestamp())))
+        out = stamped | AssembleEpisodesStreaming(incomplete_after_s=60)
+        assert_that(out.episodes | beam.Map(lambda e: (e.episode_id, e.num_events)),
+                    equal_to([(a[0].episode_id, len(a))]), label="complete")
+        assert_that(out.incomplete | beam.Map(lambda e: (e.episode_id, e.incomplete_reason)),
+                    equal_to([(b[0].episode_id, "unfinished")]), label="incomplete")

@@ -1,0 +1,48 @@
+"""Welford/Chan statistics and NormalizeByDomain against hand-computed values."""
+
+import apache_beam as beam
+import numpy as np
+import pytest
+from apache_beam.testing.util import assert_that, equal_to
+
+from pipelines.normalize import NormalizeByDomain, NormState, RunningStats, normalize_episode
+from pipelines.recipes import Recipe
+from pipelines.rewards import annotate_rewards
+from tests.pipelines.helpers import make_pipeline
+from tests.pipelines.test_verify_rewards_clip import make_episode
+
+
+def test_chan_merge_equals_one_pass():
+    x = np.array([0.5, 2.0, -1.0, 4.0, 3.5, 0.0])
+    merged = RunningStats.of(x[:2]).merge(RunningStats.of(x[2:5])).merge(RunningStats.of(x[5:]))
+    assert merged.n == 6 and merged.mean == pytest.approx(x.mean()) and merged.std == pytest.approx(x.std())
+    assert RunningStats().merge(merged) == merged
+
+
+def test_domain_normalization_by_hand():
+    rec = Recipe(name="o", eps=1e-9)
+    x = annotate_rewards(make_episode("x", outcome=1.0, n_steps=3), rec)  # A = [1, 1, 1]
+    y = annotate_rewards(make_episode("y", outcome=0.0, n_steps=2), rec)  # A = [0, 0]
+    # advantages of the domain: [1, 1, 1, 0, 0]: mean 0.6, var (3*0.16 + 2*0.36)/5 = 0.24, std 0.489898
+    stats = {"advantage/math": RunningStats.of([1, 1, 1, 0, 0]), "return/math": RunningStats.of([1.0, 0.0]),
+             "group/g": RunningStats.of([1.0, 0.0])}
+    nx = normalize_episode(x, stats, mode="domain", eps=rec.eps)
+    np.testing.assert_allclose(nx.normalized_advantages, [0.4 / 0.489898] * 3, rtol=1e-5)  # 0.816497
+    # group returns [1, 0]: mean 0.5, std 0.5 -> (1 - 0.5) / 0.5 = 1
+    assert nx.group_advantage == pytest.approx(1.0) and nx.normalized_return == pytest.approx(1.0)
+    ny = normalize_episode(y, stats, mode="group", eps=rec.eps)
+    np.testing.assert_allclose(ny.normalized_advantages, [-1.0, -1.0])
+
+
+def test_transform_merges_prior_statistics():
+    rec = Recipe(name="o", eps=1e-9)
+    eps = [annotate_rewards(make_episode("x", outcome=1.0, n_steps=2), rec)]  # this run: A = [1, 1]
+    prior = NormState(recipe_hash="h", stats={"advantage/math": RunningStats.of([0.0, 0.0])})
+    # prior [0, 0] + run [1, 1]: mean 0.5, std 0.5 -> (1 - 0.5) / 0.5 = 1 for both steps
+    with make_pipeline() as p:
+        out = p | beam.Create(eps) | NormalizeByDomain(rec, prior=prior.stats)
+        assert_that(out["episodes"] | beam.Map(lambda e: [round(v, 6) for v in e.normalized_advantages]),
+                    equal_to([[1.0, 1.0]]), label="norm")
+        assert_that(out["stats"] | beam.Map(lambda kv: (kv[0], kv[1].n, kv[1].mean)),
+                    equal_to([("advantage/math", 2, 1.0), ("return/math", 1, 1.0), ("group/g", 1, 1.0)]),
+                    label="stats")

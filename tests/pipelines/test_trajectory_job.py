@@ -1,0 +1,181 @@
+"""End-to-end: archive / raw records → committed datasets on FnApiRunner."""
+
+from pathlib import Path
+
+import duckdb
+import polars as pl
+import pyarrow.parquet as pq
+import pytest
+
+from pipelines.commit import CommitError
+from pipelines.polars_ref import compute_steps_polars
+from pipelines.recipes import load_recipe
+from pipelines.trajectory_job import JobError, run, run_batch
+from pipelines.types import RawRecords
+from schemas.codec import encode_event
+from tests.pipelines.helpers import episodes, flat, write_archive
+
+N = 100
+
+
+def _reconciles(c: dict) -> bool:
+    return (c["events_in"] + c["events_pending_in"]
+            == c["events_used"] + c["events_incomplete"] + c["events_pending_out"] + c["dead_letters"] + c["duplicates"])
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*.parquet"))}
+
+
+def _sql(q: str):
+    return duckdb.connect().sql(q).fetchall()
+
+
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory) -> tuple[Path, list]:
+    eps = episodes(N, seed=21)
+    events = flat(eps)
+    # 5 re-delivered events (at-least-once transport) inside the second commit
+    root = write_archive(tmp_path_factory.mktemp("a") / "archive", [flat(eps[:50]), flat(eps[50:]) + events[:5]])
+    return root, eps
+
+
+@pytest.fixture(scope="module")
+def first_run(archive, tmp_path_factory):
+    root, eps = archive
+    out = tmp_path_factory.mktemp("o") / "datasets"
+    counts = run(["--source", "archive", "--archive", str(root), "--out", str(out)])
+    return out, counts
+
+
+def test_counts_and_rows(archive, first_run):
+    _, eps = archive
+    out, c = first_run
+    n_events, n_steps = len(flat(eps)), sum(e.event_type == "step" for e in flat(eps))
+    assert c["episodes"] == N and c["steps"] == n_steps and c["dead_letters"] == 0
+    assert c["events_in"] == n_events + 5 and c["duplicates"] == 5 and _reconciles(c)
+    [(trajs, distinct)] = _sql(f"select count(*), count(distinct episode_id) from "
+                               f"read_parquet('{out}/trajectories/**/*.parquet', hive_partitioning=true)")
+    assert trajs == distinct == N
+    [(steps, recipes)] = _sql(f"select count(*), count(distinct recipe) from "
+                              f"read_parquet('{out}/steps/**/*.parquet', hive_partitioning=true)")
+    assert steps == n_steps and recipes == 1
+
+
+def test_domain_normalized_advantage_is_standardized(first_run):
+    out, _ = first_run
+    rows = _sql(f"select domain, avg(normalized_advantage), stddev_pop(normalized_advantage) "
+                f"from read_parquet('{out}/steps/**/*.parquet', hive_partitioning=true) group by domain")
+    assert len(rows) == 4
+    for domain, mean, std in rows:
+        # one run from empty state: mean 0 exactly (float error), std = s / (s + eps) with eps = 1e-6
+        assert abs(mean) < 1e-9 and abs(std - 1) < 1e-4, (domain, mean, std)
+
+
+def test_rerun_adds_nothing(archive, first_run):
+    root, _ = archive
+    out, _ = first_run
+    before = _files(out)
+    again = run(["--source", "archive", "--archive", str(root), "--out", str(out)])
+    assert set(again.values()) == {0} and _files(out) == before
+
+
+def test_new_recipe_writes_a_second_version(archive, first_run, tmp_path):
+    root, _ = archive
+    out, _ = first_run
+    recipe = tmp_path / "shaped.yaml"
+    recipe.write_text("# trajpipe pipeline run --source archive --archive A --out O --recipe shaped.yaml\n"
+                      "reward: verification_shaped\ngamma: 0.9\nverification_weight: 0.5\n")
+    c = run(["--source", "archive", "--archive", str(root), "--out", str(out), "--recipe", str(recipe)])
+    assert c["episodes"] == N
+    versions = _sql(f"select recipe, count(*) from read_parquet('{out}/steps/**/*.parquet', hive_partitioning=true) "
+                    f"group by recipe order by recipe")
+    assert [v[0].split("-")[0] for v in versions] == ["outcome", "shaped"] and versions[0][1] == versions[1][1]
+    assert len(list((out / "_manifests").iterdir())) == 2
+
+
+@pytest.mark.parametrize("crash_at", ["before_manifest", "after_manifest"])
+def test_crash_mid_commit_then_rerun_gives_the_same_dataset(archive, first_run, tmp_path, crash_at):
+    root, _ = archive
+    clean, _ = first_run
+    out = tmp_path / "crashed"
+    with pytest.raises(CommitError, match="simulated crash"):
+        run_batch(out=out, recipe=load_recipe("outcome"), source="archive", archive=root, crash_at=crash_at)
+    run(["--source", "archive", "--archive", str(root), "--out", str(out)])
+    ours = {k: v for k, v in _files(out).items() if "outcome-" in k}
+    theirs = {k: v for k, v in _files(clean).items() if "outcome-" in k}
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        if k.startswith(("steps/", "trajectories/")):
+            assert pq.read_table(out / k).equals(pq.read_table(clean / k)), k
+    assert not list(out.rglob("*.tmp"))
+
+
+def test_micro_batches_carry_unfinished_episodes(tmp_path):
+    eps = episodes(6, seed=5)
+    late = eps[-1]
+    root = write_archive(tmp_path / "archive", [flat(eps[:-1]) + late[:3]])
+    out = tmp_path / "out"
+    args = ["--source", "archive", "--archive", str(root), "--out", str(out), "--incomplete-after", "600"]
+    c1 = run(args)
+    assert (c1["episodes"], c1["pending_episodes"], c1["events_pending_out"]) == (5, 1, 3) and _reconciles(c1)
+    write_archive(root, [flat(eps[:-1]) + late[:3], late[3:]])  # commit 2 brings the rest
+    c2 = run(args)
+    assert (c2["episodes"], c2["events_pending_in"], c2["events_in"]) == (1, 3, len(late) - 3) and _reconciles(c2)
+    [(n,)] = _sql(f"select count(*) from read_parquet('{out}/trajectories/**/*.parquet', hive_partitioning=true)")
+    assert n == 6
+
+
+def test_idle_unfinished_episode_becomes_incomplete(tmp_path):
+    eps = episodes(6, seed=6)
+    root = write_archive(tmp_path / "archive", [flat(eps[1:]) + eps[0][:3]])  # eps[0] never finishes
+    out = tmp_path / "out"
+    c = run(["--source", "archive", "--archive", str(root), "--out", str(out), "--incomplete-after", "2"])
+    assert (c["episodes"], c["incomplete_episodes"], c["events_incomplete"]) == (5, 1, 3) and _reconciles(c)
+    rows = _sql(f"select episode_id, status, complete, incomplete_reason from "
+                f"read_parquet('{out}/trajectories/**/*.parquet', hive_partitioning=true) where not complete")
+    assert rows == [(eps[0][0].episode_id, "incomplete", False, "unfinished")]
+
+
+def test_bad_raw_records_go_to_dead_letters(tmp_path):
+    eps = episodes(8, seed=7)
+    values = [encode_event(e) for e in flat(eps)]
+    keys = [e.episode_id.encode() for e in flat(eps)]
+    future = bytearray(values[1]); future[4:6] = (7).to_bytes(2, "big")
+    bad = [b"\x00garbage", values[1][:20], bytes(future)]
+    batch = RawRecords(topic="trajpipe.events", partition=0, offsets=list(range(len(values) + 3)),
+                       keys=keys + [b"x"] * 3, values=values + bad, timestamps_ms=[0] * (len(values) + 3))
+    out = tmp_path / "out"
+    c = run_batch(out=out, recipe=load_recipe("outcome"), source="raw", raw_records=[batch])
+    assert (c["episodes"], c["dead_letters"], c["events_in"]) == (8, 3, len(values) + 3) and _reconciles(c)
+    reasons = _sql(f"select reason, source_offset from read_parquet('{out}/dead_letters/**/*.parquet') order by 2")
+    assert [r[0] for r in reasons] == ["bad_magic", "truncated", "future_version"]
+
+
+def test_polars_reference_agrees(archive, first_run, tmp_path):
+    root, _ = archive
+    out, _ = first_run
+    from pipelines.archive_source import list_archive_files
+
+    files = [f.path for f in list_archive_files(root)]
+    for name in ("outcome", "verification_shaped"):
+        recipe = load_recipe(name)
+        if name != "outcome":
+            out = tmp_path / name
+            run_batch(out=out, recipe=recipe, source="archive", archive=root, use_domain_verifiers=False)
+        beam_df = pl.read_parquet(f"{out}/steps/recipe={recipe.version}/**/*.parquet", hive_partitioning=True)
+        cols = ["episode_id", "step_index", "reward", "return_to_go", "advantage", "normalized_advantage",
+                "group_advantage"]
+        ours = beam_df.select(cols).sort("episode_id", "step_index")
+        ref = compute_steps_polars(files, recipe).select(cols).sort("episode_id", "step_index")
+        assert ours.height == ref.height
+        for col in cols[2:]:
+            assert (ours[col] - ref[col]).abs().max() < 1e-9, (name, col)
+
+
+def test_option_errors_name_the_option(tmp_path):
+    with pytest.raises(JobError, match="`--runner` FnApiRunner cannot run --mode stream"):
+        run(["--source", "archive", "--archive", "a", "--out", str(tmp_path), "--mode", "stream",
+             "--runner", "FnApiRunner"])
+    with pytest.raises(JobError, match="`--archive`"):
+        run(["--source", "archive", "--out", str(tmp_path)])
