@@ -11,9 +11,15 @@ CACHE := .cache
 KAFKA_JARS := $(CACHE)/kafka-jars
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench lock clean kafka-jars
+.PHONY: install system-packages test demo bench lock clean kafka-jars
 
-install: $(STAMP) $(KAFKA_JARS)/.done
+install: system-packages $(STAMP) $(KAFKA_JARS)/.done
+
+# bubblewrap isolates sandboxed commands (rollout/sandbox.py).
+system-packages:
+	@command -v bwrap >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; \
+	  else echo "bubblewrap missing: sudo apt-get install bubblewrap" >&2; exit 1; fi; }
 
 $(VENV)/bin/python:
 	$(PY_SYS) -m venv $(VENV)

@@ -63,6 +63,7 @@ from pipelines.sinks import WriteDatasets
 from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE, RawRecords
 from pipelines.verify import VerifySteps
 from schemas.events import Event
+from streams.config import KafkaConnection, Topics
 
 __all__ = ["run", "run_batch", "JobError", "COUNT_KEYS"]
 
@@ -286,8 +287,15 @@ def _counts(result) -> tuple[dict[str, int], int]:
     return {k: totals.get(_METRIC_FOR[k], 0) for k in COUNT_KEYS}, int(clock_ms)
 
 
-def run(argv: Sequence[str] | None = None) -> dict[str, int]:
+def run(argv: Sequence[str] | None = None, *, conn: KafkaConnection | None = None,
+        default_topic: str = Topics().events) -> dict[str, int]:
     """Parse the command line, run one micro-batch (or loop), return the counts.
+
+    Args:
+        argv: command-line options (this job's and Beam's).
+        conn: the full Kafka connection (security settings included) from the
+            caller's settings; by default one built from ``--bootstrap``.
+        default_topic: events topic when ``--topic`` is not given.
 
     Raises:
         JobError: missing or incompatible options.
@@ -299,12 +307,9 @@ def run(argv: Sequence[str] | None = None) -> dict[str, int]:
     _LOG.info("trajectory job: %s; recipe %s = %s", vars(args), recipe.version, msgspec.to_builtins(recipe))
     kafka = None
     if args.source == "kafka":
-        from trajpipe.settings import load_settings
-
-        settings = load_settings(None)
-        conn = msgspec.structs.replace(settings.connection(client_id="trajpipe-pipeline"),
-                                       bootstrap_servers=args.bootstrap)
-        kafka = {"conn": conn, "topic": args.topic or settings.topics.events}
+        base = conn or KafkaConnection(client_id="trajpipe-pipeline")
+        kafka = {"conn": msgspec.structs.replace(base, bootstrap_servers=args.bootstrap),
+                 "topic": args.topic or default_topic}
     total = dict.fromkeys(COUNT_KEYS, 0)
     while True:
         counts = run_batch(

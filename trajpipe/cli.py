@@ -22,6 +22,10 @@ __all__ = ["app", "main"]
 app = typer.Typer(help="Event-sourced trajectory data pipeline for RL post-training.", no_args_is_help=True)
 broker_app = typer.Typer(help="Embedded single-node broker for local work and tests.", no_args_is_help=True)
 app.add_typer(broker_app, name="broker")
+pipeline_app = typer.Typer(help="Beam jobs: event log -> versioned Parquet datasets.", no_args_is_help=True)
+app.add_typer(pipeline_app, name="pipeline")
+model_app = typer.Typer(help="Models for rollouts and training.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
 
 ConfigOpt = Annotated[Optional[str], typer.Option("--config", help="YAML/TOML settings file (or $TRAJPIPE_CONFIG)")]
 BootstrapOpt = Annotated[Optional[str], typer.Option("--bootstrap", help="Kafka bootstrap servers host:port[,host:port]")]
@@ -199,10 +203,215 @@ def archive(
     _print_counts({"events": counts.events, "dead_letters": counts.dead_letters, "commits": counts.commits})
 
 
+@app.command("train")
+def train(
+    data: Annotated[Optional[Path], typer.Option(help="dataset root (holds _manifests/ and steps/)")] = None,
+    model: Annotated[Optional[Path], typer.Option(help="base model: a local HF directory")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="run directory: metrics.jsonl, checkpoints/, policies/")] = None,
+    objective: Annotated[Optional[str], typer.Option(help="bc | awr | ppo | grpo")] = None,
+    mode: Annotated[Optional[str], typer.Option(help="offline (epochs) | online (tail + staleness cap + publish)")] = None,
+    max_steps: Annotated[Optional[int], typer.Option("--max-steps", help="optimizer steps")] = None,
+    deepspeed_config: Annotated[Optional[Path], typer.Option("--deepspeed-config", help="DeepSpeed JSON/YAML merged over the generated one")] = None,
+    zero_stage: Annotated[Optional[int], typer.Option("--zero-stage", help="ZeRO stage 0-3")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="continue from the latest checkpoint in --out")] = False,
+    publish_every: Annotated[Optional[int], typer.Option("--publish-every", help="publish a policy every N steps")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="seed of data order and init")] = None,
+    bootstrap: BootstrapOpt = None,
+    config: Annotated[Optional[Path], typer.Option("--config", help="training recipe YAML (configs/*.yaml)")] = None,
+    local_rank: Annotated[Optional[int], typer.Option("--local_rank", hidden=True, help="set by the deepspeed launcher")] = None,
+) -> None:
+    """Train a policy on the steps/ datasets with DeepSpeed (see docs/trainer.md)."""
+    from trainer.config import ConfigError as TrainConfigError
+    from trainer.config import load_train_config
+    from trainer.recipes.rl import run
+
+    try:
+        cfg = load_train_config(config, **{
+            "data.dir": str(data) if data else None, "model": str(model) if model else None,
+            "out": str(out) if out else None, "objective.name": objective, "mode": mode, "max_steps": max_steps,
+            "engine.deepspeed_config": str(deepspeed_config) if deepspeed_config else None,
+            "engine.zero_stage": zero_stage, "resume": resume or None, "publish.every": publish_every,
+            "publish.bootstrap": bootstrap, "seed": seed,
+        })
+    except TrainConfigError as err:
+        _fail(str(err))
+    emit = None
+    producer = None
+    if cfg.publish.bootstrap:
+        from streams.producer import EventProducer
+
+        settings = load_settings(None, bootstrap=cfg.publish.bootstrap)
+        producer = EventProducer(settings.connection(client_id="trajpipe-trainer"), settings.topic_names().control,
+                                 spool_dir=Path(settings.spool_dir))
+
+        def emit(event) -> None:
+            producer.emit(event)
+            producer.flush()
+
+    try:
+        summary = run(cfg, emit_event=emit)
+    finally:
+        if producer is not None:
+            producer.close()
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        _print_counts(summary)
+
+
+@model_app.command("init-tiny")
+def model_init_tiny(
+    out: Annotated[Path, typer.Option(help="directory to write the model and tokenizer to")],
+    seed: Annotated[int, typer.Option(help="weight seed (same seed, same files)")] = 0,
+    vocab_size: Annotated[int, typer.Option("--vocab-size", help="BPE vocabulary size")] = 2048,
+    hidden_size: Annotated[int, typer.Option("--hidden-size")] = 128,
+    num_layers: Annotated[int, typer.Option("--num-layers")] = 2,
+    num_heads: Annotated[int, typer.Option("--num-heads", help="head dim = hidden/heads must be 64-ish for vLLM CPU")] = 2,
+    intermediate_size: Annotated[int, typer.Option("--intermediate-size")] = 384,
+    max_position_embeddings: Annotated[int, typer.Option("--max-position-embeddings")] = 2048,
+) -> None:
+    """Write a random-init tiny Llama model + from-scratch BPE tokenizer (loads in transformers and vLLM)."""
+    from rollout.model import init_tiny_model
+
+    try:
+        path = init_tiny_model(out, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+                               num_heads=num_heads, intermediate_size=intermediate_size,
+                               max_position_embeddings=max_position_embeddings, seed=seed)
+    except ValueError as err:
+        _fail(str(err))
+    info = json.loads((path / "trajpipe_model.json").read_text())
+    print(path, flush=True)
+    _print_counts({"params": info["params"], "vocab_size": info["vocab_size"]})
+
+
+@app.command("rollout")
+def rollout(
+    episodes: Annotated[int, typer.Option(help="episodes to run")] = 100,
+    domains: Annotated[str, typer.Option(help="comma-separated domains")] = "code,math,docqa,tools",
+    policy: Annotated[str, typer.Option(help="scripted | hf | vllm")] = "scripted",
+    model: Annotated[Optional[Path], typer.Option(help="model directory (hf, vllm)")] = None,
+    concurrency: Annotated[int, typer.Option(help="episodes in flight")] = 4,
+    seed: Annotated[int, typer.Option(help="seed of task draws and sampling")] = 0,
+    max_steps: Annotated[int, typer.Option("--max-steps", help="steps per episode")] = 16,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="new tokens per action (hf, vllm)")] = 64,
+    temperature: Annotated[float, typer.Option(help="sampling temperature (hf, vllm); 0 = greedy")] = 1.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="nucleus mass (hf, vllm)")] = 1.0,
+    noise: Annotated[float, typer.Option(help="scripted: probability of a wrong decision")] = 0.0,
+    policy_version: Annotated[int, typer.Option("--policy-version", help="version of --model")] = 0,
+    follow_policies: Annotated[bool, typer.Option("--follow-policies/--no-follow-policies",
+                                                  help="load versions published on the control topic")] = True,
+    producer_id: Annotated[Optional[str], typer.Option("--producer-id", help="worker id on the events")] = None,
+    bootstrap: BootstrapOpt = None,
+    spool_dir: Annotated[Optional[Path], typer.Option("--spool-dir", help="where to spool if Kafka is down")] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Run episodes with a policy in the environments and emit their events to the events topic."""
+    import os
+    import signal
+    import socket
+    import threading
+
+    from rollout.reload import PolicyFollower
+    from rollout.worker import RolloutConfig, RolloutWorker, make_scheduler
+    from schemas.events import SamplingParams
+    from streams.admin import ensure_topics
+    from streams.producer import EventProducer
+
+    domain_list = [d.strip() for d in domains.split(",") if d.strip()]
+    if not domain_list:
+        _fail("`--domains` is empty; name at least one domain, e.g. --domains code,math")
+    if policy not in ("scripted", "hf", "vllm"):
+        _fail(f"`--policy` {policy!r} is not one of scripted, hf, vllm")
+    if policy != "scripted" and model is None:
+        _fail(f"`--policy {policy}` needs `--model DIR` (make one with `trajpipe model init-tiny --out DIR`)")
+    settings = load_settings(config, bootstrap=bootstrap)
+    producer_id = producer_id or f"rollout@{socket.gethostname()}:{os.getpid()}"
+    conn = settings.connection(client_id="trajpipe-rollout")
+    topics = settings.topic_names()
+    ensure_topics(conn, topics)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+    if policy == "scripted":
+        from rollout.policies.scripted import ScriptedPolicy
+
+        actor = ScriptedPolicy(noise=noise, seed=seed, policy_version=policy_version)
+    elif policy == "hf":
+        from rollout.policies.hf import HFPolicy
+
+        actor = HFPolicy.from_pretrained(model, sampling=sampling, policy_version=policy_version)
+    else:
+        from rollout.policies.vllm import VLLMPolicy
+
+        actor = VLLMPolicy(model, sampling=sampling, policy_version=policy_version, max_batch=concurrency)
+        typer.echo(f"vLLM engine loaded in {actor.load_seconds:.1f} s", err=True)
+    typer.echo(f"rollout: {json.dumps({'episodes': episodes, 'domains': domain_list, 'policy': policy, 'model': str(model) if model else None, 'concurrency': concurrency, 'seed': seed, 'max_steps': max_steps, 'sampling': {'temperature': temperature, 'top_p': top_p, 'max_tokens': max_tokens}, 'producer_id': producer_id, 'topic': topics.events})}", err=True)
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    follower = PolicyFollower(conn, topics.control) if follow_policies and policy != "scripted" else None
+    with EventProducer(conn, topics.events, spool_dir=spool_dir or Path(settings.spool_dir)) as producer, \
+            _progress() as bar:
+        task = bar.add_task("rollout episodes", total=episodes, rate="")
+
+        def on_episode(_result, c) -> None:
+            per_domain = " ".join(f"{d} {dc.passed}/{dc.episodes}" for d, dc in sorted(c.domains.items()))
+            bar.update(task, completed=c.episodes, rate=f"{c.episodes_per_s:.2f} ep/s | passed {per_domain}")
+
+        worker = RolloutWorker(actor, emit=producer.emit,
+                               config=RolloutConfig(episodes=episodes, concurrency=concurrency, max_steps=max_steps,
+                                                    producer_id=producer_id),
+                               scheduler=make_scheduler(domain_list, seed=seed), follower=follower,
+                               on_episode=on_episode)
+        if follower is not None:
+            follower.start()
+        try:
+            counts = worker.run(stop)
+        finally:
+            if follower is not None:
+                follower.close()
+            close = getattr(worker.policy, "close", None)
+            if close is not None:
+                close()
+        stats = producer.flush()
+    if stop.is_set():
+        typer.echo(f"stopped by signal: {counts.aborted} episodes aborted, events flushed", err=True)
+    if stats.spooled:
+        typer.echo(f"Kafka unreachable: {stats.spooled} events kept in the spool; they replay on the next run", err=True)
+    _print_counts(counts.summary())
+
+
+@pipeline_app.command(
+    "run",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
+)
+def pipeline_run(ctx: typer.Context) -> None:
+    """Run the trajectory job (`trajpipe pipeline run --help` lists its options).
+
+    --source kafka|archive [--bootstrap B] [--archive DIR] --out DIR [--mode batch|stream]
+    [--recipe NAME|FILE] [--runner R] [--loop SECONDS] [beam options...]; every option
+    the job does not know goes to Beam's PipelineOptions.
+    """
+    from pipelines.trajectory_job import JobError, run
+
+    argv = list(ctx.args)
+    settings = load_settings(None)
+    if "--source" in argv and "kafka" in argv and not any(a.startswith("--bootstrap") for a in argv):
+        argv += ["--bootstrap", settings.kafka.bootstrap_servers]
+    try:
+        counts = run(argv, conn=settings.connection(client_id="trajpipe-pipeline"),
+                     default_topic=settings.topics.events)
+    except JobError as err:
+        _fail(str(err))
+    _print_counts(counts)
+
+
 def main() -> None:
     """Console-script entry point."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("kafka").setLevel(logging.WARNING)
+    logging.getLogger("apache_beam.io.gcp").setLevel(logging.ERROR)
+    for handler in logging.getLogger().handlers:  # Beam warns about optional GCP clients at import
+        handler.addFilter(lambda record: "apitools not found" not in record.getMessage())
     try:
         app()
     except ConfigError as err:
