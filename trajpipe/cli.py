@@ -217,7 +217,7 @@ def train(
     publish_every: Annotated[Optional[int], typer.Option("--publish-every", help="publish a policy every N steps")] = None,
     seed: Annotated[Optional[int], typer.Option(help="seed of data order and init")] = None,
     bootstrap: BootstrapOpt = None,
-    config: Annotated[Optional[Path], typer.Option("--config", help="training recipe YAML (configs/*.yaml)")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", help="training recipe YAML (trainer/configs/*.yaml)")] = None,
     local_rank: Annotated[Optional[int], typer.Option("--local_rank", hidden=True, help="set by the deepspeed launcher")] = None,
 ) -> None:
     """Train a policy on the steps/ datasets with DeepSpeed (see docs/trainer.md)."""

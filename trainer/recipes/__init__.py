@@ -1,0 +1,1 @@
+"""Training recipes: one readable file per recipe wiring trainer components."""

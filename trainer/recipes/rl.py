@@ -1,0 +1,346 @@
+"""RL post-training recipe: datasets → DeepSpeed policy → objective → checkpoints → published policies.
+
+``setup → train → save_checkpoint → cleanup``, wiring the components of
+:mod:`trainer` (streaming dataset, objectives, engine, policy store). Run it
+with ``trajpipe train`` (see ``trainer/configs/*.yaml`` and docs/trainer.md)::
+
+    trajpipe train --data runs/data --model runs/tiny --out runs/train --objective grpo --max-steps 20
+
+or, on several GPUs, ``deepspeed --num_gpus 8 -m trajpipe train ...``.
+
+Offline mode trains epochs over the commits visible at start; online mode
+tails new commits, caps staleness against the current policy version and
+publishes a new version every ``publish.every`` steps, emitting
+``policy_published`` on the control topic so rollout workers switch to it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from schemas.events import Event
+from trainer.config import TrainConfig
+from trainer.data import PackedBatch, StepFilter, TrajectoryLoader, TrajectoryStream
+from trainer.engine import (
+    TrainEngine, build_deepspeed_config, init_distributed, load_model, read_deepspeed_override, resolve_device,
+)
+from trainer.losses import build_objective
+from trainer.metrics import MetricLogger
+from trainer.publish import emit_policy_published, next_policy_version, save_merged_weights, write_policy
+
+__all__ = ["RLRecipe", "run"]
+
+log = logging.getLogger(__name__)
+
+
+class RLRecipe:
+    """One training run.
+
+    Args:
+        cfg: the effective configuration.
+        emit_event: sends a control event (``policy_published``) and makes it
+            durable, e.g. ``EventProducer.emit`` + ``flush``; None: publish to
+            the store only.
+        progress: show a progress bar (rank 0).
+    """
+
+    def __init__(self, cfg: TrainConfig, *, emit_event: Callable[[Event], None] | None = None,
+                 progress: bool = True) -> None:
+        self.cfg = cfg
+        self.emit_event = emit_event
+        self.show_progress = progress
+        self.out = Path(cfg.out)
+        self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out / "checkpoints"
+        self.store = Path(cfg.publish.store) if cfg.publish.store else self.out / "policies"
+        self.step = 0
+        self.tokens = 0
+        self.policy_version = cfg.publish.initial_version
+        self.parent_version = cfg.publish.initial_version
+        self._batches: Iterator[PackedBatch] | None = None
+        self._last_published_step = -1
+        self._last_checkpoint_step = -1
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        """Process group, seeds, model + DeepSpeed engine, objective, data stream; resume if asked."""
+        cfg = self.cfg
+        self.rank, self.world_size = init_distributed()
+        self.is_main = self.rank == 0
+        self.device = resolve_device()
+        _seed_everything(cfg.seed + self.rank)
+        bf16 = cfg.engine.precision == "bf16" or (cfg.engine.precision == "auto" and self.device.type == "cuda")
+        if bf16 and self.device.type != "cuda":
+            raise ValueError("`engine.precision` bf16 needs a GPU; use fp32 (or auto) on CPU")
+
+        self.objective = build_objective(cfg.objective.name, **cfg.objective.options())
+        lora = cfg.lora
+        model = load_model(
+            cfg.model,
+            lora=dict(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules=list(lora.target_modules)) if lora.enabled else None,
+            adapter_name=lora.group or "default",
+            gradient_checkpointing=cfg.engine.gradient_checkpointing,
+        )
+        ds_config = build_deepspeed_config(
+            micro_batch_size=cfg.data.batch_size, grad_accum=cfg.optim.grad_accum, world_size=self.world_size,
+            zero_stage=cfg.engine.zero_stage, bf16=bf16, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+            betas=cfg.optim.betas, grad_clip=cfg.optim.grad_clip, warmup_steps=cfg.optim.warmup_steps,
+            schedule=cfg.optim.schedule, total_steps=cfg.max_steps,
+            override=read_deepspeed_override(cfg.engine.deepspeed_config),
+        )
+        self.ds_config = ds_config
+        self.engine = TrainEngine(model, ds_config=ds_config, reference_dir=cfg.model,
+                                  needs_reference=self.objective.needs_reference)
+        self.pad_id = int(getattr(self.engine.module.config, "pad_token_id", None) or 0)
+
+        d = cfg.data
+        self.stream = TrajectoryStream(
+            d.dir, seq_len=d.seq_len, batch_size=d.batch_size, recipe=d.recipe,
+            filters=StepFilter(
+                domains=tuple(d.domains) if d.domains else None, min_policy_version=d.min_policy_version,
+                max_policy_version=d.max_policy_version, min_advantage=d.min_advantage,
+                max_advantage=d.max_advantage, statuses=tuple(d.statuses) if d.statuses else None),
+            advantage_field=d.advantage_field, mode=d.mode, seed=cfg.seed, shuffle=d.shuffle,
+            max_epochs=d.max_epochs, poll_interval_s=d.poll_interval_s, idle_timeout_s=d.idle_timeout_s,
+            num_workers=d.num_workers, rank=self.rank, world_size=self.world_size, pad_id=self.pad_id,
+        )
+        self.loader = TrajectoryLoader(self.stream, pin_memory=self.device.type == "cuda",
+                                       prefetch_factor=d.prefetch_factor)
+        if cfg.resume:
+            self._resume()
+
+        self.metrics = MetricLogger(self.out / "metrics.jsonl", enabled=self.is_main)
+        self.samples_log = (open(self.out / "samples.jsonl", "a", buffering=1)
+                            if cfg.log_sample_ids and self.is_main else None)
+        effective = cfg.model_dump(mode="json")
+        effective["deepspeed"] = ds_config
+        effective["world_size"] = self.world_size
+        self.metrics.log_config(effective)
+        if self.is_main:
+            log.info("effective config: %s", effective)
+
+    def _resume(self) -> None:
+        state = self.engine.load_checkpoint(self.ckpt_dir)
+        if state is None:
+            log.warning("--resume: no checkpoint in %s; starting from step 0", self.ckpt_dir)
+            return
+        if len(state["data"]) != self.world_size:
+            raise ValueError(f"checkpoint was written by {len(state['data'])} ranks, this run has "
+                             f"{self.world_size}; resume with the same world size")
+        self.step, self.tokens = state["step"], state["tokens"]
+        self.policy_version, self.parent_version = state["policy_version"], state["parent_version"]
+        self.loader.load_state_dict(state["data"][self.rank])
+        _set_rng_state(state["rng"][self.rank])
+
+    # ------------------------------------------------------------------ train
+
+    def _next_batch(self) -> PackedBatch | None:
+        if self._batches is None:
+            self._batches = iter(self.loader)
+        batch = next(self._batches, None)
+        if self.world_size > 1:  # stop together: a rank out of data must not leave others in a collective
+            flag = torch.tensor([0 if batch is None else 1], dtype=torch.int32)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+            if int(flag) == 0:
+                return None
+        return batch
+
+    def train_step(self) -> dict[str, float] | None:
+        """One optimizer step over ``grad_accum`` micro-batches; its metrics, or None when data ran out."""
+        t_start = time.perf_counter()
+        wait = 0.0
+        sums: dict[str, float] = defaultdict(float)
+        tokens = 0
+        sample_ids: list[str] = []
+        for _ in range(self.engine.grad_accum):
+            t0 = time.perf_counter()
+            batch = self._next_batch()
+            wait += time.perf_counter() - t0
+            if batch is None:
+                return None
+            batch = batch.to(self.device)
+            logp = self.engine.logprobs(batch)
+            ref_logp = self.engine.reference_logprobs(batch)
+            out = self.objective(logp, batch, ref_logp=ref_logp, current_version=self.policy_version)
+            self.engine.backward(out.loss)
+            self.engine.step()
+            for k, v in out.metrics.items():
+                sums[k] += float(v)
+            sums["reward"] += float(batch.sample_rewards.mean()) if batch.sample_rewards.numel() else 0.0
+            valid = batch.policy_versions >= 0
+            sums["staleness"] += float((self.policy_version - batch.policy_versions[valid]).float().mean()) \
+                if valid.any() else 0.0
+            tokens += batch.num_tokens
+            sample_ids.extend(batch.sample_ids)
+        self.step += 1
+        self.tokens += tokens
+        dt = time.perf_counter() - t_start
+        n = self.engine.grad_accum
+        metrics = {f"train/{k}": v / n for k, v in sums.items()}
+        metrics["train/kl"] = metrics.get("train/kl_ref", metrics.get("train/approx_kl", 0.0))
+        metrics["train/lr"] = self.engine.lr()
+        grad_norm = self.engine.grad_norm()
+        if grad_norm is not None:
+            metrics["train/grad_norm"] = grad_norm
+        metrics["train/policy_version"] = self.policy_version
+        metrics.update({"perf/tokens_per_s": tokens / dt, "perf/data_wait_fraction": wait / dt,
+                        "perf/step_time_s": dt, "perf/tokens": self.tokens})
+        if self.samples_log is not None:
+            self.samples_log.write(_json_line({"step": self.step, "sample_ids": sample_ids}))
+        return metrics
+
+    def train(self, max_steps: int | None = None) -> dict[str, int]:
+        """Train until ``max_steps`` (default ``cfg.max_steps``) or the data ends; publish and checkpoint on the way."""
+        cfg = self.cfg
+        max_steps = cfg.max_steps if max_steps is None else max_steps
+        with _progress(self.show_progress and self.is_main) as bar:
+            task = bar.add_task("train", total=max_steps, completed=self.step, info="") if bar else None
+            while self.step < max_steps:
+                metrics = self.train_step()
+                if metrics is None:
+                    log.info("data exhausted after %d steps", self.step)
+                    break
+                self.metrics.log(self.step, metrics)
+                if bar is not None:
+                    bar.update(task, completed=self.step, info=(
+                        f"loss {metrics['train/loss']:.4f}  reward {metrics['train/reward']:.3f}  "
+                        f"{metrics['perf/tokens_per_s']:,.0f} tok/s  wait {metrics['perf/data_wait_fraction']:.0%}"))
+                if cfg.publish.every and self.step % cfg.publish.every == 0:
+                    self.publish()
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                    self.save_checkpoint()
+        if cfg.publish.at_end and (cfg.publish.every or cfg.mode == "online") and \
+                self._last_published_step != self.step:
+            self.publish()
+        if cfg.checkpoint.at_end and self._last_checkpoint_step != self.step:
+            self.save_checkpoint()
+        return {"steps": self.step, "tokens": self.tokens, "policy_version": self.policy_version}
+
+    # ------------------------------------------------------------------ checkpoint / publish
+
+    def _gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def save_checkpoint(self) -> None:
+        """Model, optimizer, scheduler, every rank's RNG and dataset position, under tag ``step-<n>``."""
+        client_state = {
+            "step": self.step, "tokens": self.tokens, "policy_version": self.policy_version,
+            "parent_version": self.parent_version,
+            "data": self._gather(self.loader.state_dict()), "rng": self._gather(_rng_state()),
+        }
+        self.engine.save_checkpoint(self.ckpt_dir, tag=f"step-{self.step}", client_state=client_state)
+        self._last_checkpoint_step = self.step
+        if self.is_main:
+            tags = sorted((p for p in self.ckpt_dir.glob("step-*") if p.is_dir()),
+                          key=lambda p: int(p.name.split("-")[1]))
+            for old in tags[:-self.cfg.checkpoint.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def publish(self) -> None:
+        """Write the next policy version to the store and announce it (collective under ZeRO-3)."""
+        state_dict = self.engine.full_state_dict()
+        positions = self._gather(self.loader.state_dict())
+        version = None
+        if self.is_main:
+            version = next_policy_version(self.store, current=self.policy_version)
+            save = save_merged_weights(self.engine.module, state_dict, base_model=Path(self.cfg.model),
+                                       lora_merge=self.cfg.lora.merge_on_publish)
+            record = write_policy(
+                self.store, version=version, parent_version=self.policy_version, base_model=Path(self.cfg.model),
+                train_step=self.step, save_weights=save, adapter=self.cfg.lora.group if self.cfg.lora.enabled else None,
+                dataset_position=positions,
+            )
+            if self.emit_event is not None:
+                emit_policy_published(self.emit_event, record, domain=self.cfg.publish.domain)
+            log.info("published policy v%d at step %d: %s", version, self.step, record.location)
+        version = self._gather(version)[0]
+        self.parent_version, self.policy_version = self.policy_version, version
+        self._last_published_step = self.step
+
+    # ------------------------------------------------------------------ cleanup
+
+    def cleanup(self) -> None:
+        """Stop data workers, close logs and the engine."""
+        self._batches = None
+        self.metrics.close()
+        if self.samples_log is not None:
+            self.samples_log.close()
+        self.engine.close()
+
+
+def run(cfg: TrainConfig, *, emit_event: Callable[[Event], None] | None = None,
+        progress: bool = True) -> dict[str, int]:
+    """``setup → train → save_checkpoint → cleanup``; returns ``{"steps", "tokens", "policy_version"}``."""
+    recipe = RLRecipe(cfg, emit_event=emit_event, progress=progress)
+    recipe.setup()
+    try:
+        return recipe.train()
+    finally:
+        recipe.cleanup()
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": _np_state_to_builtin(np.random.get_state()),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _np_state_to_builtin(state: tuple) -> tuple:
+    kind, keys, pos, has_gauss, gauss = state
+    return (kind, keys.tolist(), int(pos), int(has_gauss), float(gauss))
+
+
+def _json_line(obj: dict[str, Any]) -> str:
+    return json.dumps(obj) + "\n"
+
+
+class _NoBar:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("{task.fields[info]}"), console=Console(stderr=True))
