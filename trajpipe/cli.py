@@ -380,6 +380,45 @@ def rollout(
     _print_counts(counts.summary())
 
 
+@app.command("query")
+def query(
+    sql: Annotated[str, typer.Argument(help="SQL over the views events, steps, trajectories, dataset_dead_letters")],
+    archive: Annotated[Optional[Path], typer.Option(help="event archive directory")] = None,
+    data: Annotated[Optional[Path], typer.Option(help="dataset root directory")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="table, csv or json")] = "table",
+) -> None:
+    """Query the archive and datasets with DuckDB (views: events, steps, trajectories, ...)."""
+    import duckdb
+
+    from pipelines.query import register_views
+
+    if archive is None and data is None:
+        _fail("give `--archive DIR` and/or `--data DIR`")
+    con = duckdb.connect()
+    views = register_views(con, archive=archive, data=data)
+    if not views:
+        _fail(f"no committed data under {archive or ''} {data or ''}")
+    try:
+        table = con.sql(sql).to_arrow_table()
+    except duckdb.Error as err:
+        _fail(f"{err} (views: {', '.join(views)})")
+    if fmt == "json":
+        for row in table.to_pylist():
+            print(json.dumps(row, default=str))
+    elif fmt == "csv":
+        import pyarrow.csv as pacsv
+
+        pacsv.write_csv(table, sys.stdout.buffer)
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        out = Table(*table.column_names)
+        for row in table.to_pylist():
+            out.add_row(*("" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()))
+        Console().print(out)
+
+
 @pipeline_app.command(
     "run",
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
