@@ -13,7 +13,18 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install system-packages test demo bench lock clean kafka-jars
 
-install: system-packages $(STAMP) $(KAFKA_JARS)/.done
+PRISM := $(CACHE)/bin/prism
+FLINK_JS := $(CACHE)/jars/flink-job-server/.done
+
+install: system-packages $(STAMP) $(KAFKA_JARS)/.done $(PRISM) $(FLINK_JS)
+
+# Beam's portable local runner (streaming), from the Go module proxy.
+$(PRISM): pipelines/runtime/install_prism.sh
+	pipelines/runtime/install_prism.sh
+
+# Beam's Flink job server (Flink in local mode), assembled from Maven Central.
+$(FLINK_JS): pipelines/runtime/flink-job-server/pom.xml pipelines/runtime/install_flink_jobserver.sh
+	pipelines/runtime/install_flink_jobserver.sh
 
 # bubblewrap isolates sandboxed commands (rollout/sandbox.py).
 system-packages:
