@@ -55,7 +55,7 @@ test: install
 	$(PY) -m pytest
 
 demo: install
-	$(PY) -m trajpipe.demo
+	$(PY) -m trajpipe demo
 
 bench: install
 	$(PY) -m bench.run

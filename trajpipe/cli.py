@@ -378,6 +378,10 @@ def rollout(
     if stats.spooled:
         typer.echo(f"Kafka unreachable: {stats.spooled} events kept in the spool; they replay on the next run", err=True)
     _print_counts(counts.summary())
+    if counts.stuck:  # their threads never returned; events are flushed, so leave without joining them
+        typer.echo(f"{counts.stuck} episodes were stuck at shutdown (closed as aborted); exiting", err=True)
+        sys.stderr.flush()
+        os._exit(3)
 
 
 @app.command("query")
@@ -442,6 +446,93 @@ def pipeline_run(ctx: typer.Context) -> None:
     except JobError as err:
         _fail(str(err))
     _print_counts(counts)
+
+
+@app.command("demo")
+def demo(
+    workdir: Annotated[Path, typer.Option(help="where the demo keeps its broker, data and runs (wiped first)")] = Path(
+        ".trajpipe/demo"),
+    episodes: Annotated[int, typer.Option(help="scripted rollout episodes")] = 40,
+    synth_episodes: Annotated[int, typer.Option("--synth-episodes", help="extra synthetic episodes")] = 200,
+    train_steps: Annotated[int, typer.Option("--train-steps", help="trainer steps")] = 10,
+) -> None:
+    """The whole loop on an embedded broker: rollouts -> archive -> Beam job -> query -> train -> publish -> rollout.
+
+    Every step is a real `trajpipe` command, printed before it runs, so each can be copied.
+    """
+    import shutil
+    import socket
+    import subprocess
+
+    from streams.broker import kafka_jars_dir
+
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    engine = "kafka" if shutil.which("java") and any(kafka_jars_dir().glob("kafka_2.13-*.jar")) else "tansu"
+    bootstrap = f"127.0.0.1:{port}"
+    console = _stderr_console()
+    env = {**__import__("os").environ, "TRAJPIPE_SPOOL_DIR": str(workdir / "spool")}
+    results: dict[str, dict] = {}
+
+    def step(title: str, *args: str) -> dict:
+        console.rule(f"[bold]{title}")
+        console.print(f"[cyan]$ trajpipe {' '.join(args)}")
+        proc = subprocess.run([sys.executable, "-m", "trajpipe", *args], env=env, stdout=subprocess.PIPE, text=True)
+        lines = proc.stdout.strip().splitlines()
+        for line in lines:
+            print(line, flush=True)
+        if proc.returncode != 0:
+            raise typer.Exit(proc.returncode)
+        try:
+            return json.loads(lines[-1]) if lines else {}
+        except json.JSONDecodeError:
+            return {}
+
+    data, archive, tiny, run_dir = workdir / "datasets", workdir / "archive", workdir / "tiny", workdir / "train"
+    step(f"1. embedded broker ({engine})", "broker", "start", "--engine", engine, "--port", str(port),
+         "--data-dir", str(workdir / "broker"))
+    try:
+        results["model"] = step("2. tiny base model", "model", "init-tiny", "--out", str(tiny))
+        results["rollout"] = step("3. scripted rollouts in sandboxed environments", "rollout", "--bootstrap",
+                                  bootstrap, "--episodes", str(episodes), "--domains", "code,math,docqa,tools",
+                                  "--policy", "scripted", "--concurrency", "4")
+        results["synth"] = step("4. synthetic traffic", "synth", "--bootstrap", bootstrap, "--episodes",
+                                str(synth_episodes), "--seed", "1")
+        results["archive"] = step("5. archive the event log", "archive", "--bootstrap", bootstrap, "--out",
+                                  str(archive), "--until-end")
+        results["pipeline"] = step("6. Beam trajectory job from Kafka (FnApiRunner)", "pipeline", "run", "--source",
+                                   "kafka", "--bootstrap", bootstrap, "--out", str(data))
+        results["rebuild"] = step("7. rebuild from the archive with another reward recipe", "pipeline", "run",
+                                  "--source", "archive", "--archive", str(archive), "--out", str(data), "--recipe",
+                                  "verification_shaped")
+        step("8. analyst query", "query", "--archive", str(archive), "--data", str(data),
+             "select recipe, domain, count(*) episodes, round(avg(outcome_reward), 3) reward, "
+             "round(avg(num_steps), 2) steps from trajectories group by recipe, domain order by recipe, domain")
+        results["train"] = step("9. GRPO training with DeepSpeed, policy published", "train", "--data", str(data),
+                                "--model", str(tiny), "--out", str(run_dir), "--objective", "grpo", "--max-steps",
+                                str(train_steps), "--bootstrap", bootstrap)
+        published = sorted((run_dir / "policies").glob("v*"))
+        if not published:
+            _fail("the trainer published no policy")
+        results["rollout_new_policy"] = step(
+            "10. rollouts with the published policy (transformers)", "rollout", "--bootstrap", bootstrap,
+            "--episodes", "4", "--policy", "hf", "--model", str(published[-1]), "--max-steps", "2",
+            "--max-tokens", "16")
+    finally:
+        step("11. stop the broker", "broker", "stop", "--data-dir", str(workdir / "broker"))
+    console.rule("[bold]summary")
+    console.print(f"archive: {archive}\ndatasets: {data}\npolicies: {run_dir / 'policies'}")
+    _print_counts({
+        "rollout_episodes": results["rollout"].get("episodes"), "rollout_passed": results["rollout"].get("passed"),
+        "events_archived": results["archive"].get("events"), "trajectories": results["pipeline"].get("episodes"),
+        "steps": results["pipeline"].get("steps"), "train_steps": results["train"].get("steps"),
+        "policy_version": results["train"].get("policy_version"),
+        "episodes_with_new_policy": results["rollout_new_policy"].get("episodes"),
+    })
 
 
 def main() -> None:
