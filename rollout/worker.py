@@ -1,0 +1,415 @@
+"""The rollout worker: many episodes in flight, events to Kafka, clean shutdown, policy reload.
+
+:class:`RolloutWorker` draws tasks from a :class:`rollout.scheduler.TaskScheduler`,
+runs each as an episode (:func:`rollout.episode.run_episode`) in a thread pool
+of ``concurrency`` threads, and emits every event through ``emit`` (usually
+:meth:`streams.producer.EventProducer.emit` on the events topic).
+
+Concurrency model: one thread per episode in flight. Environment steps
+(sandboxed commands) and policy calls block their own thread only; the
+scheduler is touched by the main thread alone. Model policies decide how to
+share the model: :class:`rollout.policies.vllm.VLLMPolicy` batches the prompts
+of all threads waiting at the same moment into one ``generate`` call (one
+"round"); :class:`rollout.policies.hf.HFPolicy` serialises ``generate`` calls
+while environment steps of other episodes go on.
+
+Shutdown: when ``stop`` is set (the CLI sets it on SIGINT/SIGTERM) no new
+episode starts, and each episode in flight ends at its next policy call: the
+call raises :class:`EpisodeAborted` (a ``BaseException``, so
+``run_episode``'s error handling lets it through) and the worker closes the
+episode with an ``episode_finished`` event of status ``aborted`` whose ``seq``
+follows the last event emitted, keeping ``seq`` gap-free. A step already
+inside the environment completes and is recorded first. The caller then
+flushes the producer.
+
+Policy versions: with a :class:`rollout.reload.PolicyFollower`, a newly
+published version is applied between episodes (see :mod:`rollout.reload`);
+every event of an episode carries the version that started it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import msgspec
+
+from rollout.envs import make_env
+from rollout.episode import EpisodeSummary, run_episode
+from rollout.policies.base import Action, Policy, PolicyContext
+from rollout.reload import PolicyFollower, reload_policy
+from rollout.scheduler import ScheduledTask, SchedulerConfig, TaskScheduler
+from schemas.events import EpisodeFinished, EpisodeStatus, Event, Step, make_event_id
+
+__all__ = [
+    "DomainCounts",
+    "EpisodeAborted",
+    "EpisodeResult",
+    "RolloutConfig",
+    "RolloutCounts",
+    "RolloutWorker",
+    "make_scheduler",
+]
+
+log = logging.getLogger(__name__)
+
+
+class EpisodeAborted(BaseException):
+    """Raised inside an episode's thread when the worker shuts down; ends the episode as ``aborted``.
+
+    A ``BaseException`` (like ``KeyboardInterrupt``) so that the episode runner's
+    ``except Exception`` handlers, which turn failures into ``error`` episodes, let it through.
+    """
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """What one worker run does.
+
+    Attributes:
+        episodes: episodes to run (retries of timed-out tasks count as episodes).
+        concurrency: episodes in flight at once.
+        max_steps: steps per episode before the environment judges it.
+        producer_id: worker id written on every event.
+        run_id: prefix of this run's episode ids (``<run_id>-<n>``); random by default
+            so a rerun never reuses event ids.
+        episode_timeout_s: wall-clock budget per episode (None: the scheduler's ticket timeout).
+        shutdown_timeout_s: on stop, how long episodes in flight may take to reach their
+            next policy call before they are closed as ``aborted`` regardless.
+    """
+
+    episodes: int
+    concurrency: int = 4
+    max_steps: int = 16
+    producer_id: str = "rollout"
+    run_id: str = ""
+    episode_timeout_s: float | None = None
+    shutdown_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.episodes < 0:
+            raise ValueError(f"`episodes` must be >= 0, got {self.episodes}")
+        if self.concurrency < 1:
+            raise ValueError(f"`concurrency` must be >= 1, got {self.concurrency}")
+        if self.max_steps < 1:
+            raise ValueError(f"`max_steps` must be >= 1, got {self.max_steps}")
+
+
+class EpisodeResult(msgspec.Struct, frozen=True, kw_only=True):
+    """How one episode ended, from the worker's view.
+
+    Attributes:
+        episode_id: the episode.
+        domain: its domain.
+        task_id: its task.
+        status: how it ended (``aborted`` if the worker stopped it).
+        reward: outcome reward (0 unless judged).
+        num_events: events emitted for it (``seq`` of its last event + 1).
+        policy_version: the version that acted.
+        env_error: an environment failure ended it.
+    """
+
+    episode_id: str
+    domain: str
+    task_id: str
+    status: EpisodeStatus
+    reward: float
+    num_events: int
+    policy_version: int
+    env_error: bool = False
+
+
+class DomainCounts(msgspec.Struct, kw_only=True):
+    """Per-domain tallies: episodes finished, passed (status ``success``), events emitted."""
+
+    episodes: int = 0
+    passed: int = 0
+    events: int = 0
+
+
+class RolloutCounts(msgspec.Struct, kw_only=True):
+    """Totals of a worker run.
+
+    Attributes:
+        episodes: episodes that emitted events (finished or aborted).
+        events: events emitted.
+        passed: episodes with status ``success``.
+        aborted: episodes ended by shutdown.
+        errors: episodes with status ``error`` or ``timeout``.
+        domains: per-domain tallies.
+        policy_versions: episodes per policy version.
+        reloads: policy versions applied.
+        stuck: episodes closed at shutdown while their thread was still busy (abandoned).
+        elapsed_s: wall time of the run, seconds.
+    """
+
+    episodes: int = 0
+    events: int = 0
+    passed: int = 0
+    aborted: int = 0
+    errors: int = 0
+    domains: dict[str, DomainCounts] = msgspec.field(default_factory=dict)
+    policy_versions: dict[int, int] = msgspec.field(default_factory=dict)
+    reloads: int = 0
+    stuck: int = 0
+    elapsed_s: float = 0.0
+
+    @property
+    def episodes_per_s(self) -> float:
+        """Finished episodes per second of wall time."""
+        return self.episodes / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def summary(self) -> dict:
+        """The CLI's last-line JSON object."""
+        return {"episodes": self.episodes, "events": self.events, "passed": self.passed, "aborted": self.aborted,
+                "errors": self.errors, "episodes_per_s": round(self.episodes_per_s, 3),
+                "domains": {d: msgspec.to_builtins(c) for d, c in sorted(self.domains.items())}}
+
+
+def make_scheduler(domains: list[str], *, seed: int = 0, adaptive: bool = True) -> TaskScheduler:
+    """An in-memory scheduler over ``domains`` with equal base weights.
+
+    Raises:
+        ValueError: ``domains`` is empty.
+    """
+    if not domains:
+        raise ValueError("`domains` is empty; name at least one, e.g. code,math")
+    return TaskScheduler(SchedulerConfig(domain_weights={d: 1.0 for d in domains}, adaptive=adaptive, seed=seed))
+
+
+class _AbortablePolicy:
+    """Wraps a policy for one episode: raises :class:`EpisodeAborted` once either event is set."""
+
+    def __init__(self, policy: Policy, *events: threading.Event) -> None:
+        self._policy = policy
+        self._events = events
+        self.policy_version = policy.policy_version
+        self.sampling = policy.sampling
+
+    def act(self, context: PolicyContext) -> Action:
+        if any(e.is_set() for e in self._events):
+            raise EpisodeAborted()
+        return self._policy.act(context)
+
+
+class _EpisodeEmitter:
+    """Forwards one episode's events to ``emit``, remembers where it stands, and closes it exactly once.
+
+    :meth:`close` emits the closing ``episode_finished`` (``seq`` = next) unless
+    the episode has no event yet; afterwards the emitter is sealed and a late
+    event (from an episode thread the worker gave up waiting for) raises
+    :class:`EpisodeAborted` instead of reaching the log, so ``seq`` stays gap-free
+    and never repeats.
+    """
+
+    def __init__(self, emit: Callable[[Event], None], *, episode_id: str, producer_id: str, base: dict) -> None:
+        self._emit = emit
+        self._lock = threading.Lock()
+        self._sealed = False
+        self.episode_id = episode_id
+        self.producer_id = producer_id
+        self.base = base
+        self.next_seq = 0
+        self.steps = 0
+
+    def __call__(self, event: Event) -> None:
+        with self._lock:
+            if self._sealed:
+                log.warning("dropping %s of %s: the episode was already closed", event.event_type, self.episode_id)
+                raise EpisodeAborted()
+            self._emit(event)
+            self.next_seq = event.seq + 1
+            if isinstance(event, Step):
+                self.steps += 1
+            if isinstance(event, EpisodeFinished):
+                self._sealed = True
+
+    def close(self, status: EpisodeStatus, why: str) -> int:
+        """Emit the closing ``episode_finished`` if the episode is open; returns the events it now has."""
+        with self._lock:
+            if not self._sealed and self.next_seq > 0:
+                seq = self.next_seq
+                self._emit(EpisodeFinished(event_id=make_event_id(self.episode_id, seq), seq=seq,
+                                           producer_id=self.producer_id, status=status, num_steps=self.steps,
+                                           verifier_summary=why, **self.base))
+                self.next_seq = seq + 1
+            self._sealed = True
+            return self.next_seq
+
+
+class RolloutWorker:
+    """Runs episodes concurrently and emits their events.
+
+    Args:
+        policy: the policy (any :class:`rollout.policies.base.Policy`).
+        emit: called with every event, from episode threads (must be thread-safe).
+        config: the run's settings.
+        scheduler: task source (default: :func:`make_scheduler` needs ``domains``).
+        domains: domains for the default scheduler.
+        seed: seed of the default scheduler.
+        follower: follows published policy versions (None: the version never changes).
+        on_episode: called in the main thread after each episode with its result and the totals.
+    """
+
+    def __init__(self, policy: Policy, *, emit: Callable[[Event], None], config: RolloutConfig,
+                 scheduler: TaskScheduler | None = None, domains: list[str] | None = None, seed: int = 0,
+                 follower: PolicyFollower | None = None,
+                 on_episode: Callable[[EpisodeResult, RolloutCounts], None] | None = None) -> None:
+        if scheduler is None:
+            scheduler = make_scheduler(list(domains or []), seed=seed)
+        self.policy = policy
+        self.config = config
+        self.scheduler = scheduler
+        self.follower = follower
+        self.on_episode = on_episode
+        self.counts = RolloutCounts()
+        self.run_id = config.run_id or uuid.uuid4().hex[:10]
+        self._emit = emit
+        self._abort = threading.Event()
+        self._stop = threading.Event()
+        self._skip_version = -1  # a version whose reload failed is not retried
+
+    @property
+    def aborting(self) -> threading.Event:
+        """Set once shutdown began: episodes in flight end at their next policy call."""
+        return self._abort
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self, stop: threading.Event | None = None) -> RolloutCounts:
+        """Run ``config.episodes`` episodes (fewer if ``stop`` is set); returns the totals.
+
+        On stop, episodes in flight get ``config.shutdown_timeout_s`` to reach
+        their next policy call; any still stuck then (a hung environment or
+        engine) is closed as ``aborted`` from here and counted in
+        ``counts.stuck``; its thread is abandoned and the caller should exit
+        the process once the producer is flushed. The caller flushes/closes the
+        producer afterwards.
+        """
+        stop = self._stop = stop or threading.Event()
+        started = 0
+        t0 = time.monotonic()
+        in_flight: dict[Future, tuple[ScheduledTask, _EpisodeEmitter]] = {}
+        pool = ThreadPoolExecutor(max_workers=self.config.concurrency, thread_name_prefix="episode")
+        try:
+            while not stop.is_set():
+                draining = self._maybe_reload(busy=bool(in_flight))
+                while not draining and started < self.config.episodes and len(in_flight) < self.config.concurrency:
+                    item = self.scheduler.next_task()
+                    if item is None:  # every domain blocked (breakers open, retries backing off)
+                        break
+                    emitter = self._emitter(item, self.policy, f"{self.run_id}-{started:06d}")
+                    in_flight[pool.submit(self._run_one, item, self.policy, emitter)] = (item, emitter)
+                    started += 1
+                if not in_flight:
+                    if started >= self.config.episodes:
+                        break
+                    stop.wait(0.1)
+                    continue
+                done, _ = wait(in_flight, timeout=0.2, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    self._finish(in_flight.pop(fut)[0], fut.result(), t0)
+            if in_flight:
+                log.warning("stopping: waiting for %d episodes in flight; each ends at its next policy call (aborted)",
+                            len(in_flight))
+                self._abort.set()
+                done, _ = wait(in_flight, timeout=self.config.shutdown_timeout_s)
+                for fut in done:
+                    self._finish(in_flight.pop(fut)[0], fut.result(), t0)
+                for item, emitter in in_flight.values():
+                    log.error("episode %s did not stop within %g s; closing it as aborted and abandoning its thread",
+                              emitter.episode_id, self.config.shutdown_timeout_s)
+                    n = emitter.close(EpisodeStatus.ABORTED, "aborted: stuck at worker shutdown")
+                    self.counts.stuck += 1
+                    self._finish(item, EpisodeResult(**emitter.base, status=EpisodeStatus.ABORTED, reward=0.0,
+                                                     num_events=n), t0)
+        finally:
+            pool.shutdown(wait=not in_flight, cancel_futures=True)
+        self.counts.elapsed_s = time.monotonic() - t0
+        return self.counts
+
+    def _emitter(self, item: ScheduledTask, policy: Policy, episode_id: str) -> _EpisodeEmitter:
+        base = {"episode_id": episode_id, "domain": item.task.domain, "task_id": item.task.task_id,
+                "policy_version": policy.policy_version}
+        return _EpisodeEmitter(self._emit, episode_id=episode_id, producer_id=self.config.producer_id, base=base)
+
+    def _maybe_reload(self, *, busy: bool) -> bool:
+        """Apply a newly published version if possible; True while draining episodes for it."""
+        if self.follower is None:
+            return False
+        event = self.follower.take(newer_than=max(self.policy.policy_version, self._skip_version))
+        if event is None:
+            return False
+        if getattr(self.policy, "reload_in_place", False) and busy:
+            return True  # finish the episodes in flight on the old weights first
+        old = self.policy.policy_version
+        try:
+            self.policy = reload_policy(self.policy, event)
+        except (TypeError, OSError, ValueError) as err:
+            log.error("cannot apply policy version %d from %s: %s; keeping version %d",
+                      event.version, event.location, err, old)
+            self._skip_version = event.version
+            return False
+        self.counts.reloads += 1
+        log.info("policy version %d -> %d (%s)", old, event.version, event.location)
+        return False
+
+    def _finish(self, item: ScheduledTask, result: EpisodeResult, t0: float) -> None:
+        c = self.counts
+        if result.num_events == 0:  # failed before its first event (e.g. the env could not be built)
+            if result.status != EpisodeStatus.ABORTED:
+                self.scheduler.report(item, status="error", env_error=True)
+            return
+        c.episodes += 1
+        c.events += result.num_events
+        dom = c.domains.setdefault(result.domain, DomainCounts())
+        dom.episodes += 1
+        dom.events += result.num_events
+        c.policy_versions[result.policy_version] = c.policy_versions.get(result.policy_version, 0) + 1
+        if result.status == EpisodeStatus.SUCCESS:
+            c.passed += 1
+            dom.passed += 1
+        elif result.status in (EpisodeStatus.ERROR, EpisodeStatus.TIMEOUT):
+            c.errors += 1
+        if result.status == EpisodeStatus.ABORTED:
+            c.aborted += 1  # not reported: the ticket stays open, a persisted scheduler re-queues it
+        else:
+            self.scheduler.report(item, status=result.status.value, reward=result.reward,
+                                  env_error=result.env_error)
+        c.elapsed_s = time.monotonic() - t0
+        if self.on_episode is not None:
+            self.on_episode(result, c)
+
+    # ------------------------------------------------------------------ one episode (pool thread)
+
+    def _run_one(self, item: ScheduledTask, policy: Policy, emitter: _EpisodeEmitter) -> EpisodeResult:
+        task = item.task
+        episode_id, base = emitter.episode_id, emitter.base
+        env = None
+        try:
+            env = make_env(task.domain)
+            summary: EpisodeSummary = run_episode(
+                # `stop` aborts at once (not when the main loop next looks), so a signal ends
+                # every episode in flight at its next policy call.
+                env, _AbortablePolicy(policy, self._abort, self._stop), task, episode_id=episode_id,
+                producer_id=self.config.producer_id, max_steps=self.config.max_steps, emit=emitter,
+                task_group=task.task_id, episode_timeout_s=self.config.episode_timeout_s or item.timeout_s,
+            )
+            return EpisodeResult(**base, status=summary.status, reward=summary.reward,
+                                 num_events=summary.num_events, env_error=summary.env_error)
+        except EpisodeAborted:
+            status, why = EpisodeStatus.ABORTED, "aborted: the rollout worker shut down"
+        except Exception as err:  # a bug in one episode must not kill the worker
+            log.exception("episode %s crashed", episode_id)
+            status, why = EpisodeStatus.ERROR, f"worker error: {type(err).__name__}: {err}"
+        finally:
+            if env is not None:
+                env.close()
+        # Nothing is emitted for an episode without events; one the main thread already
+        # closed (stuck at shutdown) is not closed twice.
+        return EpisodeResult(**base, status=status, reward=0.0, num_events=emitter.close(status, why))
