@@ -38,7 +38,7 @@ from schemas.events import (
     AnyEvent,
     Event,
     LogProbs,
-    Step,
+    Step,  # noqa: F401  (used by the doctests)
     TokenIds,
 )
 

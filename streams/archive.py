@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 from schemas.arrow import events_to_table
 from schemas.codec import EventDecodeError, decode_event
 from schemas.events import SCHEMA_VERSION, Event
+from schemas.storage import atomic_write, fsync_dir
 from streams.config import KafkaConnection
 
 __all__ = [
@@ -113,24 +114,6 @@ def bucket_of(episode_id: str, buckets: int) -> int:
     return zlib.crc32(episode_id.encode()) % buckets
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def _init_archive(root: Path, *, topic: str, buckets: int) -> dict[str, Any]:
     meta_path = root / "_archive.json"
     if meta_path.exists():
@@ -145,7 +128,7 @@ def _init_archive(root: Path, *, topic: str, buckets: int) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     (root / "_commits").mkdir(exist_ok=True)
     meta = {"format": ARCHIVE_FORMAT, "buckets": buckets, "topic": topic}
-    _atomic_write(meta_path, json.dumps(meta).encode())
+    atomic_write(meta_path, json.dumps(meta).encode())
     return meta
 
 
@@ -247,11 +230,11 @@ def write_commit(
     manifest = CommitManifest(
         commit=commit, topic=topic, offsets=offsets, files=files, events=len(events), dead_letters=dead_letters
     )
-    _atomic_write(root / "_commits" / f"{commit:08d}.json", msgspec.json.encode(manifest))
+    atomic_write(root / "_commits" / f"{commit:08d}.json", msgspec.json.encode(manifest))
     for rel in files:
         os.replace(root / (rel + ".tmp"), root / rel)
     for d in {(root / rel).parent for rel in files}:
-        _fsync_dir(d)
+        fsync_dir(d)
     return manifest
 
 

@@ -89,6 +89,7 @@ from kafka import errors as kafka_errors
 
 from schemas.codec import DEFAULT_MAX_EVENT_BYTES, encode_event, kafka_headers
 from schemas.events import Event
+from schemas.storage import fsync_dir
 from streams.config import ConfigError, KafkaConnection
 
 __all__ = [
@@ -212,7 +213,7 @@ class _Spool:
                 self._file.close()
                 self._file = None
             self.path.unlink(missing_ok=True)
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
             self.count = 0
 
     def close(self) -> None:
@@ -224,14 +225,6 @@ class _Spool:
         if self.count == 0:
             self.path.unlink(missing_ok=True)
         self._lock_file.close()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _scan_spool(path: Path) -> tuple[int, int]:

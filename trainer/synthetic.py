@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 from schemas.arrow import arrow_schema_for
 from schemas.datasets import DATASET_SCHEMA_VERSION, PARTITION_KEYS, StepRow
 from schemas.events import as_logprobs, as_token_ids, make_event_id
+from schemas.storage import atomic_write
 
 __all__ = ["make_step_rows", "write_steps_commit", "write_random_commit", "DEFAULT_RECIPE"]
 
@@ -98,15 +99,6 @@ def _manifest(commit: int, recipe: str, files: list[str], rows: list[int]) -> di
     }
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_steps_commit(
     root: Path,
     rows: Sequence[StepRow],
@@ -149,7 +141,7 @@ def write_steps_commit(
     if publish:
         mdir = root / "_manifests" / recipe
         mdir.mkdir(parents=True, exist_ok=True)
-        _atomic_write(mdir / f"{commit:08d}.json", json.dumps(manifest).encode())
+        atomic_write(mdir / f"{commit:08d}.json", json.dumps(manifest).encode())
         for tmp, final in tmps:
             os.replace(tmp, final)
     return manifest
@@ -217,7 +209,7 @@ def write_random_commit(
     manifest = _manifest(commit, recipe, files, [len(idx) for idx in per_domain if len(idx)])
     mdir = root / "_manifests" / recipe
     mdir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(mdir / f"{commit:08d}.json", json.dumps(manifest).encode())
+    atomic_write(mdir / f"{commit:08d}.json", json.dumps(manifest).encode())
     for tmp, final in moves:
         os.replace(tmp, final)
     return manifest

@@ -110,7 +110,7 @@ def _linear_system(rng: random.Random) -> tuple[str, list[tuple[str, str]]]:
 
 def _compound(rng: random.Random) -> tuple[str, list[tuple[str, str]]]:
     p, r, n, w = rng.randint(10, 90) * 100, rng.choice([2, 3, 4, 5]), rng.randint(2, 4), rng.randint(1, 9) * 50
-    steps = [(f"balance_year_1", f"{p} * (1 + {r} / 100) - {w}")]
+    steps = [("balance_year_1", f"{p} * (1 + {r} / 100) - {w}")]
     for year in range(2, n + 1):
         steps.append((f"balance_year_{year}", f"balance_year_{year - 1} * (1 + {r} / 100) - {w}"))
     names = ", ".join(s for s, _ in steps)
