@@ -12,9 +12,11 @@ One pure core (:func:`dedupe_events`, :func:`assemble_episode`,
   of event time, then they go out as ``incomplete``.
 * **streaming** (:class:`AssembleEpisodesStreaming`): a stateful DoFn keeps
   each episode's events in a bag and sets an event-time timer at
-  ``last event time + incomplete_after``; the episode is emitted as soon as
-  it is complete, or as ``incomplete`` when the timer fires (event-time
-  timers only: Prism has no processing-time timers).
+  ``latest element timestamp + incomplete_after`` (the element timestamps are
+  the source's event time, e.g. Kafka record time, the clock the watermark
+  follows); the episode is emitted as soon as it is complete, or as
+  ``incomplete`` when the timer fires (event-time timers only: Prism has no
+  processing-time timers).
 
 Examples:
     >>> from streams.synth import generate_episodes
@@ -38,7 +40,7 @@ from apache_beam.coders import PickleCoder
 from apache_beam.metrics import Metrics
 from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import BagStateSpec, ReadModifyWriteStateSpec, TimerSpec, on_timer
-from apache_beam.utils.timestamp import Timestamp
+from apache_beam.utils.timestamp import Duration, Timestamp
 
 from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE, Episode
 from schemas.datasets import Verification
@@ -300,44 +302,73 @@ class _AssembleStatefulFn(beam.DoFn):
 
     EVENTS = BagStateSpec("events", PickleCoder())
     DONE = ReadModifyWriteStateSpec("done", PickleCoder())
+    LAST = ReadModifyWriteStateSpec("last", PickleCoder())  # latest element timestamp (micros)
     IDLE = TimerSpec("idle", TimeDomain.WATERMARK)
 
-    def __init__(self, incomplete_after_s: float) -> None:
+    def __init__(self, incomplete_after_s: float, end_of_input_s: float | None) -> None:
         self._after = incomplete_after_s
-        self._dups = Metrics.counter(METRICS_NAMESPACE, "duplicates")
-        self._complete = Metrics.counter(METRICS_NAMESPACE, "episodes_complete")
-        self._incomplete = Metrics.counter(METRICS_NAMESPACE, "episodes_incomplete")
+        self._end_of_input_s = end_of_input_s
+        self._counters = {
+            k: Metrics.counter(METRICS_NAMESPACE, k)
+            for k in ("duplicates", "dead_letters", "events_used", "events_incomplete", "events_pending_out",
+                      "episodes_complete", "episodes_incomplete", "episodes_pending")
+        }
 
-    def process(self, element: tuple[str, list[Event]], events_state=beam.DoFn.StateParam(EVENTS),
-                done_state=beam.DoFn.StateParam(DONE), idle=beam.DoFn.TimerParam(IDLE)) -> Iterator[Episode]:
+    #: outcome -> (events counter, episodes counter)
+    _OUTCOME = {"complete": ("events_used", "episodes_complete"),
+                "incomplete": ("events_incomplete", "episodes_incomplete"),
+                "pending": ("events_pending_out", "episodes_pending")}
+
+    def _finish(self, unique: list[Event], dups: int, conflicts: list[Event], outcome: str) -> Iterator[Any]:
+        """Count an episode's final events under ``outcome`` and emit its seq conflicts as dead letters."""
+        events, episodes = self._OUTCOME[outcome]
+        self._counters["duplicates"].inc(dups)
+        self._counters[events].inc(len(unique))
+        self._counters[episodes].inc()
+        if conflicts:
+            self._counters["dead_letters"].inc(len(conflicts))
+            for ev in conflicts:
+                yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, _conflict_letter(ev))
+
+    def process(self, element: tuple[str, list[Event]], timestamp=beam.DoFn.TimestampParam,
+                events_state=beam.DoFn.StateParam(EVENTS), done_state=beam.DoFn.StateParam(DONE),
+                last_state=beam.DoFn.StateParam(LAST), idle=beam.DoFn.TimerParam(IDLE)) -> Iterator[Any]:
         episode_id, fragment = element
         if done_state.read():
-            self._dups.inc(len(fragment))  # late copies of an episode already emitted
+            self._counters["duplicates"].inc(len(fragment))  # late copies of an episode already emitted
             return
         for ev in fragment:
             events_state.add(ev)
-        unique, dups, _ = dedupe_events(events_state.read())
-        complete, reason = _status(unique)
+        unique, dups, conflicts = dedupe_events(events_state.read())
+        complete, _ = _status(unique)
         if complete:
-            self._dups.inc(dups)
-            self._complete.inc()
             events_state.clear()
+            last_state.clear()
             done_state.write(True)
+            yield from self._finish(unique, dups, conflicts, "complete")
             yield assemble_episode(episode_id, unique, complete=True, reason=None)
             return
-        last = max(e.event_time for e in unique).timestamp()
-        idle.set(Timestamp.of(last + self._after))
+        prev = last_state.read()
+        last = timestamp.micros if prev is None else max(prev, timestamp.micros)
+        last_state.write(last)
+        idle.set(Timestamp(micros=last) + Duration(seconds=self._after))
 
     @on_timer(IDLE)
-    def on_idle(self, events_state=beam.DoFn.StateParam(EVENTS), done_state=beam.DoFn.StateParam(DONE),
+    def on_idle(self, fired=beam.DoFn.TimestampParam, events_state=beam.DoFn.StateParam(EVENTS),
+                done_state=beam.DoFn.StateParam(DONE), last_state=beam.DoFn.StateParam(LAST),
                 key=beam.DoFn.KeyParam) -> Iterator[Any]:
-        unique, dups, _ = dedupe_events(events_state.read())
+        unique, dups, conflicts = dedupe_events(events_state.read())
         events_state.clear()
+        last_state.clear()
         if not unique or done_state.read():
             return
+        if self._end_of_input_s is not None and fired.micros >= self._end_of_input_s * 1e6:
+            # Only the end of input (watermark to +inf) fired this timer: the episode is still open.
+            yield from self._finish(unique, dups, conflicts, "pending")
+            yield beam.pvalue.TaggedOutput(PENDING_TAG, (key, unique))
+            return
         done_state.write(True)
-        self._dups.inc(dups)
-        self._incomplete.inc()
+        yield from self._finish(unique, dups, conflicts, "incomplete")
         _, reason = _status(unique)
         yield beam.pvalue.TaggedOutput(INCOMPLETE_TAG, assemble_episode(key, unique, complete=False, reason=reason))
 
@@ -345,21 +376,38 @@ class _AssembleStatefulFn(beam.DoFn):
 class AssembleEpisodesStreaming(beam.PTransform):
     """Streaming twin of :class:`AssembleEpisodes` (same core functions, stateful DoFn).
 
-    Input elements must carry event-time timestamps (the source's job). An
-    episode is emitted once complete; one idle for ``incomplete_after_s`` of
-    event time (watermark) goes to ``incomplete``. A late copy of an emitted
-    episode's event is counted as a duplicate (the ``done`` flag stays in
-    state for the key's lifetime).
+    Input elements must carry event-time timestamps (the source's job); the
+    idle clock of an episode is its latest element timestamp. An episode is
+    emitted once complete; one idle for ``incomplete_after_s`` of event time
+    (watermark) goes to ``incomplete``. A late copy of an emitted episode's
+    event is counted as a duplicate (the ``done`` flag stays in state for the
+    key's lifetime); different events at one ``seq`` go to ``dead_letters``
+    (``seq_conflict``) when the episode is emitted.
+
+    A stream that ends (a stop condition moves the watermark to the end of
+    time) fires every idle timer. With ``end_of_input_s`` set, a timer due at
+    or after that event time (epoch seconds) can only have fired for that
+    reason, so its episode goes to ``pending`` as ``(episode_id, events)``
+    for the next run instead of ``incomplete``.
+
+    Args:
+        incomplete_after_s: idle event time before giving up on an episode.
+        end_of_input_s: event time from which firing timers mean "input ended"
+            (None: every firing timer means idle).
 
     Returns:
-        A ``DoOutputsTuple`` with ``episodes`` (main) and ``incomplete``.
+        A ``DoOutputsTuple`` with ``episodes`` (main), ``incomplete``,
+        ``pending`` and ``dead_letters``.
     """
 
-    def __init__(self, *, incomplete_after_s: float = 3600.0) -> None:
+    def __init__(self, *, incomplete_after_s: float = 3600.0, end_of_input_s: float | None = None) -> None:
         super().__init__()
+        if incomplete_after_s < 0:
+            raise ValueError(f"`incomplete_after_s` must be >= 0, got {incomplete_after_s}")
         self._after = incomplete_after_s
+        self._end_of_input_s = end_of_input_s
 
     def expand(self, fragments):
-        return fragments | "AssembleStateful" >> beam.ParDo(_AssembleStatefulFn(self._after)).with_output_types(Episode).with_outputs(
-            INCOMPLETE_TAG, main="episodes"
-        )
+        return fragments | "AssembleStateful" >> beam.ParDo(
+            _AssembleStatefulFn(self._after, self._end_of_input_s)
+        ).with_output_types(Episode).with_outputs(INCOMPLETE_TAG, PENDING_TAG, DEAD_LETTER_TAG, main="episodes")

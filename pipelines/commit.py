@@ -33,20 +33,25 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from pipelines.normalize import NormState, RunningStats, load_norm_state
 from pipelines.sinks import PENDING_FILE, RUN_STATS_FILE, STAGED_SUFFIX
 from schemas.datasets import DATASET_SCHEMA_VERSION
 from schemas.events import SCHEMA_VERSION
+from schemas.storage import atomic_write, fsync_dir
 
 __all__ = [
     "DatasetManifest",
@@ -56,6 +61,10 @@ __all__ = [
     "read_manifests",
     "recover",
     "commit_staged",
+    "commit_lock",
+    "covered_offsets",
+    "committed_episode_ids",
+    "latest_pending_file",
 ]
 
 _LOG = logging.getLogger(__name__)
@@ -88,9 +97,15 @@ class DatasetManifest(msgspec.Struct, kw_only=True):
         recipe_hash: full sha256 of the recipe's canonical JSON.
         recipe: the recipe's fields (as in its YAML form).
         source: ``archive``, ``kafka`` or ``raw``.
+        mode: ``batch`` (one commit per micro-batch) or ``stream`` (one commit
+            per event-time window pane of the streaming job).
+        window: ``[start, end)`` of the pane's event-time window, epoch seconds
+            (stream; None for the end-of-stream pending commit).
+        pane: ``ON_TIME``, ``LATE``, ... and the pane index, e.g. ``LATE/2`` (stream).
         archive_dir: the archive read (archive source).
         archive_commits: archive commits this commit covers.
-        offsets: ``topic -> partition -> [start, end)`` covered (Kafka source).
+        offsets: ``topic -> partition -> [start, end)`` covered (Kafka source); in
+            stream mode the offsets of the records whose batches fell into the pane.
         files: every file of the commit (data and state).
         pending_file: the pending-state file after this commit (None: nothing pending).
         norm_file: the persisted statistics file.
@@ -105,6 +120,9 @@ class DatasetManifest(msgspec.Struct, kw_only=True):
     version: str
     recipe_hash: str
     source: str
+    mode: str = "batch"
+    window: list[float] | None = None
+    pane: str | None = None
     recipe: dict[str, Any] = {}
     archive_dir: str | None = None
     archive_commits: list[int] = []
@@ -155,25 +173,6 @@ class DatasetLayout(msgspec.Struct, frozen=True):
         return f"_state/{self.version}/pending-{commit:08d}.arrow"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def read_manifests(layout: DatasetLayout) -> list[DatasetManifest]:
     """The committed manifests of a version, in commit order.
 
@@ -202,12 +201,15 @@ def _roll_forward(layout: DatasetLayout, manifest: DatasetManifest) -> int:
             moved += 1
     for d in {(layout.root / f.path).parent for f in manifest.files}:
         if d.exists():
-            _fsync_dir(d)
+            fsync_dir(d)
     shutil.rmtree(layout.staging(manifest.commit), ignore_errors=True)
     for d in (layout.staging_root, layout.staging_root.parent):
         if d.exists() and not any(d.iterdir()):
             d.rmdir()
-    # Pending state of earlier commits is superseded by this one's.
+    # Pending state of earlier commits is superseded by this one's. A stream window commit
+    # writes none and supersedes nothing: the stream's pending state is written when it stops.
+    if manifest.mode == "stream" and manifest.pending_file is None:
+        return moved
     keep = {manifest.pending_file}
     for old in (layout.root / "_state" / layout.version).glob("pending-*.arrow"):
         if str(old.relative_to(layout.root)) not in keep:
@@ -281,7 +283,7 @@ def commit_staged(
     manifest = msgspec.structs.replace(manifest, files=files, pending_file=pending_file, norm_file=layout.norm_file)
     if crash_at == "before_manifest":
         raise CommitError(f"simulated crash before the manifest of commit {n}")
-    _atomic_write(layout.manifests / f"{n:08d}.json", msgspec.json.encode(manifest))
+    atomic_write(layout.manifests / f"{n:08d}.json", msgspec.json.encode(manifest))
     if crash_at == "after_manifest":
         first = files[0]
         (layout.root / first.path).parent.mkdir(parents=True, exist_ok=True)
@@ -294,3 +296,53 @@ def commit_staged(
 def load_prior_norm(layout: DatasetLayout) -> NormState:
     """The persisted normalization statistics of a version (empty if none)."""
     return load_norm_state(layout.root / layout.norm_file, layout.recipe_hash)
+
+
+@contextlib.contextmanager
+def commit_lock(layout: DatasetLayout) -> Iterator[None]:
+    """Hold the version's commit lock (``flock`` on ``_state/<V>/commit.lock``).
+
+    Serializes writers of one version (the streaming job's per-window commits
+    may run in parallel bundles); ``--out`` must support ``flock`` across the
+    writing hosts (local disks do; NFS only with lock support).
+    """
+    path = layout.root / "_state" / layout.version / "commit.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def covered_offsets(manifests: list[DatasetManifest], topic: str) -> dict[int, int]:
+    """``partition -> first offset no commit covers``: the largest end offset per partition.
+
+    Batch commits cover ``[start, end)`` ranges that follow each other; stream
+    commits cover the records of one window pane each (panes of different
+    windows interleave in offsets), so the restart point is the maximum.
+    """
+    out: dict[int, int] = {}
+    for m in manifests:
+        for partition, (_, end) in m.offsets.get(topic, {}).items():
+            out[int(partition)] = max(out.get(int(partition), 0), int(end))
+    return out
+
+
+def committed_episode_ids(layout: DatasetLayout, manifests: list[DatasetManifest]) -> set[str]:
+    """Episode ids in the trajectory files of ``manifests`` (complete and incomplete)."""
+    paths = [str(layout.root / f.path) for m in manifests for f in m.files if f.path.startswith("trajectories/")]
+    paths = [p for p in paths if Path(p).exists()]
+    if not paths:
+        return set()
+    return set(pads.dataset(paths, format="parquet").to_table(columns=["episode_id"]).column(0).to_pylist())
+
+
+def latest_pending_file(layout: DatasetLayout, manifests: list[DatasetManifest]) -> Path | None:
+    """The pending-state file of the newest commit that wrote one (None if there is none)."""
+    for m in reversed(manifests):
+        if m.pending_file:
+            path = layout.root / m.pending_file
+            return path if path.exists() else None
+    return None

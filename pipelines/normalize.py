@@ -17,10 +17,14 @@ Three families, all persisted across micro-batches in
   ``group_advantage = (G_0 - mean_g) / (std_g + eps)`` (arXiv:2402.03300 §4.1.2),
   and ``normalization: group`` uses it as every step's ``adv_norm_t``.
 
-Within a run the statistics come from a ``CombinePerKey`` (side input),
-merged with the persisted ones of earlier runs, so every episode of one run
-is normalized with the same numbers; over a single run from empty state the
-domain-normalized advantages have mean 0 and std ``std/(std+eps)`` ≈ 1.
+Within a run the statistics come from a ``CombinePerKey``
+(:class:`ComputeNormStats`), merged with the persisted ones of earlier runs,
+so every episode of one run is normalized with the same numbers; over a single
+run from empty state the domain-normalized advantages have mean 0 and std
+``std/(std+eps)`` ≈ 1. :class:`NormalizeByDomain` applies them to episodes
+(a side input); the trajectory job applies them to the dataset rows in its
+shard writer instead (:func:`normalize_rows`, same formulas), which spares a
+pass that would re-encode every episode.
 
 Examples:
     >>> a, b = RunningStats.of([1.0, 2.0]), RunningStats.of([3.0, 4.0, 5.0])
@@ -51,6 +55,9 @@ __all__ = [
     "StatsCombineFn",
     "NormalizeByDomain",
     "normalize_episode",
+    "stats_of_episodes",
+    "normalize_rows",
+    "ComputeNormStats",
     "load_norm_state",
     "STATS_TAG",
 ]
@@ -168,6 +175,44 @@ def normalize_episode(episode: Episode, stats: Mapping[str, RunningStats], *, mo
     )
 
 
+def stats_of_episodes(episodes: Iterable[Episode]) -> dict[str, RunningStats]:
+    """The statistics of a set of episodes (what ``NormalizeByDomain``'s ``CombinePerKey`` computes)."""
+    values: dict[str, list[np.ndarray]] = {}
+    for episode in episodes:
+        for key, v in _stat_inputs(episode):
+            values.setdefault(key, []).append(np.asarray(v, dtype=np.float64))
+    return {k: RunningStats.of(np.concatenate(vs)) for k, vs in sorted(values.items())}
+
+
+def normalize_rows(traj: Any, steps: list[Any], stats: Mapping[str, RunningStats], *, mode: str,
+                   eps: float) -> tuple[Any, list[Any]]:
+    """:func:`normalize_episode` on an episode's dataset rows (``TrajectoryRow``, ``StepRow`` s).
+
+    The same formulas, so the same numbers; for writers that normalize after
+    the rows are built (no Episode, texts and all, has to be kept for it).
+    Rows of an incomplete trajectory are returned unchanged.
+    """
+    if not traj.complete:
+        return traj, steps
+    adv = stats.get(f"advantage/{traj.domain}", RunningStats())
+    ret = stats.get(f"return/{traj.domain}", RunningStats())
+    grp = stats.get(f"group/{traj.task_group}", RunningStats())
+    R = traj.episode_return
+    group_adv = float((R - grp.mean) / (grp.std + eps))
+    A = np.array([s.advantage for s in steps], dtype=np.float64)
+    if mode == "domain":
+        adv_norm = (A - adv.mean) / (adv.std + eps)
+    elif mode == "group":
+        adv_norm = np.full(len(A), group_adv)
+    else:
+        adv_norm = A
+    steps = [msgspec.structs.replace(s, normalized_advantage=float(a), group_advantage=group_adv)
+             for s, a in zip(steps, adv_norm)]
+    traj = msgspec.structs.replace(traj, group_advantage=group_adv,
+                                   normalized_return=float((R - ret.mean) / (ret.std + eps)))
+    return traj, steps
+
+
 class _NormalizeFn(beam.DoFn):
     def __init__(self, prior: Mapping[str, RunningStats], mode: str, eps: float) -> None:
         self._prior = dict(prior)
@@ -180,6 +225,21 @@ class _NormalizeFn(beam.DoFn):
         stats = {k: self._prior.get(k, RunningStats()).merge(run_stats.get(k, RunningStats())) for k in keys}
         self._n.inc()
         yield normalize_episode(episode, stats, mode=self._mode, eps=self._eps)
+
+
+class ComputeNormStats(beam.PTransform):
+    """Episodes → ``(key, RunningStats)`` of this run (families ``advantage``, ``return``, ``group``).
+
+    Only the advantages and the return of each episode go into the combine (a
+    slim projection), so the episodes themselves are never re-encoded for it.
+    """
+
+    def expand(self, episodes):
+        return (
+            episodes
+            | "StatInputs" >> beam.FlatMap(_stat_inputs)
+            | "Stats" >> beam.CombinePerKey(StatsCombineFn())
+        )
 
 
 class NormalizeByDomain(beam.PTransform):
@@ -200,11 +260,7 @@ class NormalizeByDomain(beam.PTransform):
         self._prior = dict(prior or {})
 
     def expand(self, episodes) -> dict[str, Any]:
-        run_stats = (
-            episodes
-            | "StatInputs" >> beam.FlatMap(_stat_inputs)
-            | "Stats" >> beam.CombinePerKey(StatsCombineFn())
-        )
+        run_stats = episodes | "ComputeNormStats" >> ComputeNormStats()
         normalized = episodes | "Normalize" >> beam.ParDo(
             _NormalizeFn(self._prior, self._recipe.normalization, self._recipe.eps),
             run_stats=beam.pvalue.AsDict(run_stats),

@@ -15,7 +15,7 @@ Examples:
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, List, Tuple
 
@@ -27,6 +27,7 @@ import pyarrow.feather as feather
 import pyarrow.parquet as pq
 from apache_beam.metrics import Metrics
 
+from pipelines.normalize import NormState, RunningStats, normalize_rows
 from pipelines.recipes import Recipe
 from pipelines.types import METRICS_NAMESPACE, Episode
 from schemas.arrow import arrow_schema_for, events_to_table
@@ -38,6 +39,8 @@ __all__ = [
     "episode_rows",
     "rows_to_table",
     "final_path",
+    "incomplete_path",
+    "stage_files",
     "STAGED_SUFFIX",
     "PENDING_FILE",
     "RUN_STATS_FILE",
@@ -58,13 +61,23 @@ def final_path(table: str, *, version: str, domain: str, commit: int, shard: int
     return f"{table}/recipe={version}/domain={domain}/c{commit:08d}-s{shard:03d}.parquet"
 
 
+def incomplete_path(*, version: str, domain: str, commit: int) -> str:
+    """Path (relative to ``<out>``) of a commit's incomplete trajectories of one domain."""
+    return f"trajectories/recipe={version}/domain={domain}/c{commit:08d}-incomplete.parquet"
+
+
 def _verified(verdicts) -> bool:
     return all(v.passed for v in verdicts)
 
 
 def episode_rows(episode: Episode, recipe: Recipe) -> tuple[TrajectoryRow, list[StepRow]]:
-    """The dataset rows of an episode (no step rows for an incomplete one)."""
+    """The dataset rows of an episode (no step rows for an incomplete one).
+
+    An episode not normalized yet gets ``normalized_advantage``/``group_advantage``
+    0 (:func:`pipelines.normalize.normalize_rows` fills them in).
+    """
     version, h = recipe.version, recipe.content_hash
+    norm = episode.normalized_advantages
     fin, started = episode.finished, episode.started
     status = fin.status.value if fin is not None and episode.complete else "incomplete"
     steps: list[StepRow] = []
@@ -79,8 +92,8 @@ def episode_rows(episode: Episode, recipe: Recipe) -> tuple[TrajectoryRow, list[
                 action_token_ids=s.action_token_ids, behaviour_logprobs=s.behaviour_logprobs,
                 loss_mask=episode.loss_masks[t], reward=float(episode.rewards[t]),
                 return_to_go=float(episode.returns[t]), advantage=float(episode.advantages[t]),
-                normalized_advantage=float(episode.normalized_advantages[t]),
-                group_advantage=float(episode.group_advantage), verifications=vs,
+                normalized_advantage=float(norm[t]) if norm is not None else 0.0,
+                group_advantage=float(episode.group_advantage or 0.0), verifications=vs,
                 verification_score=float(np.mean([v.score for v in vs])) if vs else 0.0,
                 clipped=episode.clipped and t == last, event_time=s.event_time,
             ))
@@ -136,16 +149,29 @@ class _ToRowsFn(beam.DoFn):
 
 
 class _WriteShardFn(beam.DoFn):
-    """All rows of one (domain, shard) → one steps file and one trajectories file."""
+    """All rows of one (domain, shard) → one steps file and one trajectories file.
 
-    def __init__(self, staging: str, version: str, commit: int) -> None:
+    With ``prior`` set, complete trajectories are normalized here with
+    ``prior ⊕ run_stats`` (:func:`pipelines.normalize.normalize_rows`).
+    """
+
+    def __init__(self, staging: str, version: str, commit: int, *, mode: str = "none", eps: float = 1e-6,
+                 prior: Mapping[str, RunningStats] | None = None) -> None:
         self._staging, self._version, self._commit = staging, version, commit
+        self._mode, self._eps = mode, eps
+        self._prior = dict(prior) if prior is not None else None
         self._steps = Metrics.counter(METRICS_NAMESPACE, "steps_written")
         self._trajs = Metrics.counter(METRICS_NAMESPACE, "trajectories_written")
+        self._normalized = Metrics.counter(METRICS_NAMESPACE, "episodes_normalized")
 
-    def process(self, element: tuple[tuple[str, int], Iterable[tuple]]) -> Iterator[str]:
+    def process(self, element: tuple[tuple[str, int], Iterable[tuple]],
+                run_stats: Mapping[str, RunningStats] | None = None) -> Iterator[str]:
         (domain, shard), per_episode = element
         per_episode = sorted(per_episode, key=lambda tr: tr[0].episode_id)
+        if self._prior is not None:
+            stats = NormState(recipe_hash="", stats=self._prior).merged(run_stats or {}).stats
+            per_episode = [normalize_rows(tr, ss, stats, mode=self._mode, eps=self._eps) for tr, ss in per_episode]
+            self._normalized.inc(sum(tr.complete for tr, _ in per_episode))
         trajs = [tr for tr, _ in per_episode]
         steps = [s for _, ss in per_episode for s in ss]
         for table, rows, schema in (("trajectories", trajs, trajectory_file_schema()),
@@ -157,6 +183,17 @@ class _WriteShardFn(beam.DoFn):
             yield rel
         self._steps.inc(len(steps))
         self._trajs.inc(len(trajs))
+
+
+def _write_incomplete(trajs: list[TrajectoryRow], staging: str, version: str, commit: int) -> Iterator[str]:
+    by_domain: dict[str, list[TrajectoryRow]] = {}
+    for tr in trajs:
+        by_domain.setdefault(tr.domain, []).append(tr)
+    for domain in sorted(by_domain):
+        rows = sorted(by_domain[domain], key=lambda tr: tr.episode_id)
+        rel = incomplete_path(version=version, domain=domain, commit=commit)
+        _write_parquet(rows_to_table(rows, trajectory_file_schema()), Path(staging) / (rel + STAGED_SUFFIX))
+        yield rel
 
 
 def _write_dead_letters(letters: list[DeadLetter], staging: str, version: str, commit: int) -> Iterator[str]:
@@ -185,13 +222,65 @@ def _write_stats(stats: dict[str, Any], staging: str) -> Iterator[str]:
     yield "state/" + RUN_STATS_FILE
 
 
+def stage_files(
+    staging: str | Path,
+    recipe: Recipe,
+    *,
+    commit: int,
+    episodes: Sequence[Episode] = (),
+    pending: Sequence[tuple[str, list]] = (),
+    dead_letters: Sequence[DeadLetter] = (),
+    stats: Mapping[str, RunningStats] | None = None,
+    prior: Mapping[str, RunningStats] | None = None,
+    shards: int = 1,
+) -> list[str]:
+    """Write one commit's staged files in this process: the same files :class:`WriteDatasets` writes.
+
+    For a single writer that holds all of a commit's elements (the streaming
+    job's per-window commit).
+
+    Args:
+        staging: ``<out>/_staging/<version>/<commit>``.
+        recipe: the recipe.
+        commit: the commit number (names the files).
+        episodes: complete (rewarded, clipped, not normalized) and incomplete episodes.
+        pending: ``(episode_id, events)`` of open episodes.
+        dead_letters: this commit's dead letters.
+        stats: ``key -> RunningStats`` of this commit's complete episodes.
+        prior: persisted statistics; complete episodes are normalized with ``prior ⊕ stats``.
+        shards: files per (table, domain).
+
+    Returns:
+        The staged files' final relative paths.
+    """
+    by_shard: dict[tuple[str, int], list[tuple]] = {}
+    incomplete = [episode_rows(e, recipe)[0] for e in episodes if not e.complete]
+    for episode in (e for e in episodes if e.complete):
+        shard = zlib.crc32(episode.episode_id.encode()) % shards
+        by_shard.setdefault((episode.domain, shard), []).append(episode_rows(episode, recipe))
+    writer = _WriteShardFn(str(staging), recipe.version, commit, mode=recipe.normalization, eps=recipe.eps,
+                           prior=prior or {})
+    files = [rel for key in sorted(by_shard) for rel in writer.process((key, by_shard[key]), dict(stats or {}))]
+    files += _write_incomplete(incomplete, str(staging), recipe.version, commit)
+    files += _write_dead_letters(list(dead_letters), str(staging), recipe.version, commit)
+    files += _write_pending(list(pending), str(staging))
+    files += _write_stats(dict(stats or {}), str(staging))
+    return files
+
+
 class WriteDatasets(beam.PTransform):
     """Write one commit's staged files under ``staging`` (see the module docstring).
 
-    Input: a dict of PCollections — ``episodes`` (complete, normalized),
-    ``incomplete`` (Episodes with ``complete=False``), ``pending``
+    Input: a dict of PCollections — ``episodes`` (complete, rewarded and
+    clipped), ``incomplete`` (Episodes with ``complete=False``), ``pending``
     (``(episode_id, events)``), ``dead_letters`` (DeadLetter) and ``stats``
-    (``(key, RunningStats)`` of this run).
+    (``(key, RunningStats)`` of this run, :class:`pipelines.normalize.ComputeNormStats`).
+
+    Complete episodes are normalized here, on their rows, with ``prior ⊕
+    stats`` (a side input of the shard writer, which sits after a
+    GroupByKey anyway): normalizing the episodes before would need the
+    statistics of all of them first, i.e. one more pass that encodes and
+    decodes every episode, texts and all.
 
     Args:
         staging: ``<out>/_staging/<version>/<commit>``.
@@ -199,26 +288,40 @@ class WriteDatasets(beam.PTransform):
         commit: the commit number (names the files).
         shards: files per (table, domain) per commit; episodes are spread by
             ``crc32(episode_id) % shards``.
+        prior: persisted statistics of earlier commits (``NormState.stats``).
 
     Returns:
         PCollection of the staged files' final relative paths (informational).
     """
 
-    def __init__(self, staging: str | Path, recipe: Recipe, *, commit: int, shards: int = 1) -> None:
+    def __init__(self, staging: str | Path, recipe: Recipe, *, commit: int, shards: int = 1,
+                 prior: Mapping[str, RunningStats] | None = None) -> None:
         super().__init__()
         if shards < 1:
             raise ValueError(f"`shards` must be >= 1, got {shards}")
         self._staging, self._recipe, self._commit, self._shards = str(staging), recipe, commit, shards
+        self._prior = dict(prior or {})
 
     def expand(self, pcolls: dict):
         staging, version, commit = self._staging, self._recipe.version, self._commit
-        episodes = (pcolls["episodes"], pcolls["incomplete"]) | "AllEpisodes" >> beam.Flatten()
+        # Complete and incomplete episodes are written separately: a Flatten of the two would be one
+        # more encode/decode pass of every row on FnApiRunner (it materializes multi-input Flattens).
         data_files = (
-            episodes
+            pcolls["episodes"]
             | "ToRows" >> beam.ParDo(_ToRowsFn(self._recipe, self._shards)).with_output_types(
                 Tuple[Tuple[str, int], Tuple[TrajectoryRow, List[StepRow]]])
             | "GroupByShard" >> beam.GroupByKey()
-            | "WriteShards" >> beam.ParDo(_WriteShardFn(staging, version, commit))
+            | "WriteShards" >> beam.ParDo(
+                _WriteShardFn(staging, version, commit, mode=self._recipe.normalization, eps=self._recipe.eps,
+                              prior=self._prior),
+                run_stats=beam.pvalue.AsDict(pcolls["stats"]))
+        )
+        recipe = self._recipe
+        incomplete_files = (
+            pcolls["incomplete"]
+            | "IncompleteRows" >> beam.Map(lambda e: episode_rows(e, recipe)[0]).with_output_types(TrajectoryRow)
+            | "CollectIncomplete" >> beam.combiners.ToList()
+            | "WriteIncomplete" >> beam.FlatMap(_write_incomplete, staging, version, commit)
         )
         dead_files = (
             pcolls["dead_letters"]
@@ -235,4 +338,4 @@ class WriteDatasets(beam.PTransform):
             | "CollectStats" >> beam.combiners.ToDict()
             | "WriteStats" >> beam.FlatMap(_write_stats, staging)
         )
-        return (data_files, dead_files, pending_files, stats_files) | "StagedFiles" >> beam.Flatten()
+        return (data_files, incomplete_files, dead_files, pending_files, stats_files) | "StagedFiles" >> beam.Flatten()

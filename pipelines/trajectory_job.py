@@ -16,6 +16,13 @@ Run locally (FnApiRunner, the default for batch)::
         --recipe pipelines/recipes/shaped.yaml --loop 60
     trajpipe pipeline run --source archive --archive data/archive --out data/datasets
 
+Streaming (``--mode stream``, Kafka only): follow the topic on a streaming
+runner, one dataset commit per event-time window pane, until cancelled (or
+``--stop-after-s``); semantics in docs/pipelines.md, "Streaming mode"::
+
+    python -m pipelines.trajectory_job --source kafka --bootstrap 127.0.0.1:9092 --out data/datasets \\
+        --mode stream --runner PrismRunner --window-s 10 --incomplete-after 600
+
 On a cluster, name the runner and pass its options through (every option this
 module does not know goes to Beam's ``PipelineOptions``); ``--out`` must be a
 filesystem the workers and the driver share::
@@ -23,7 +30,8 @@ filesystem the workers and the driver share::
     python -m pipelines.trajectory_job --source archive --archive /shared/archive --out /shared/datasets \\
         --runner FlinkRunner --flink_master flink:8081 --environment_type DOCKER
 
-The last line printed is one JSON object of counts, which reconcile as
+The last line printed is one JSON object of counts (stream mode adds
+``commits``), which reconcile as
 ``events_in + events_pending_in == events_used + events_incomplete
 + events_pending_out + dead_letters + duplicates``.
 """
@@ -40,7 +48,6 @@ from typing import Any, List, Tuple
 
 import apache_beam as beam
 import msgspec
-import pyarrow.dataset as pads
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 
@@ -51,12 +58,15 @@ from pipelines.commit import (
     DatasetLayout,
     DatasetManifest,
     commit_staged,
+    committed_episode_ids,
+    covered_offsets,
+    latest_pending_file,
     load_prior_norm,
     read_manifests,
     recover,
 )
 from pipelines.decode import DecodeAndValidate
-from pipelines.normalize import STATS_TAG, NormalizeByDomain
+from pipelines.normalize import ComputeNormStats
 from pipelines.recipes import Recipe, load_recipe
 from pipelines.rewards import ComputeProcessRewards
 from pipelines.sinks import WriteDatasets
@@ -65,7 +75,7 @@ from pipelines.verify import VerifySteps
 from schemas.events import Event
 from streams.config import KafkaConnection, Topics
 
-__all__ = ["run", "run_batch", "JobError", "COUNT_KEYS"]
+__all__ = ["run", "run_batch", "run_stream", "JobError", "COUNT_KEYS"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -102,21 +112,34 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--incomplete-after", type=float, default=3600.0,
                         help="event-time seconds without news after which an unfinished episode is incomplete")
     parser.add_argument("--shards", type=int, default=1, help="files per table and domain per commit")
+    stream = parser.add_argument_group("--mode stream")
+    stream.add_argument("--window-s", type=float, default=10.0, help="event-time window per commit, seconds")
+    stream.add_argument("--allowed-lateness-s", type=float, default=3600.0,
+                        help="late elements within this many seconds after a window's end get a late commit")
+    stream.add_argument("--idle-watermark-lag-s", type=float, default=10.0,
+                        help="a caught-up partition's watermark trails the wall clock by this much")
+    stream.add_argument("--stop-after-s", type=float, default=None,
+                        help="stop reading after SECONDS of wall time and finish (tests, demos); default: run "
+                             "until cancelled")
     return parser.parse_known_args(argv)
 
 
 def _check(args: argparse.Namespace) -> None:
-    runner = args.runner or ("FnApiRunner" if args.mode == "batch" else None)
     if args.mode == "stream":
-        if runner in (None, "FnApiRunner", "DirectRunner", "BundleBasedDirectRunner"):
+        runner = args.runner or "PrismRunner"
+        if runner in ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner"):
             raise JobError(
-                f"`--runner` {runner} cannot run --mode stream; use --runner PrismRunner --prism_location "
-                "<prism binary> (or Flink/Dataflow with their options)"
+                f"`--runner` {runner} cannot run --mode stream (no unbounded sources, watermarks or timers); use "
+                "--runner PrismRunner locally (--prism_location <prism binary>), or FlinkRunner/DataflowRunner"
             )
-        raise JobError(
-            "`--mode stream` needs an unbounded Kafka source, which pipelines.sources_kafka does not provide yet; "
-            "run --mode batch with --loop SECONDS for continuous micro-batches"
-        )
+        if args.source != "kafka":
+            raise JobError("`--mode stream` reads Kafka: use --source kafka (an archive is read in --mode batch)")
+        if args.loop:
+            raise JobError("`--loop` is for --mode batch; a stream runs until cancelled or --stop-after-s")
+        if args.window_s <= 0 or args.allowed_lateness_s < 0 or args.idle_watermark_lag_s < 0:
+            raise JobError("`--window-s` must be > 0, `--allowed-lateness-s` and `--idle-watermark-lag-s` >= 0")
+        if args.stop_after_s is not None and args.stop_after_s <= 0:
+            raise JobError(f"`--stop-after-s` must be > 0, got {args.stop_after_s}")
     if args.source == "archive" and not args.archive:
         raise JobError("`--archive` is required with --source archive")
     if args.source == "kafka" and not args.bootstrap:
@@ -138,14 +161,6 @@ def _make_runner(name: str):
 
         return FnApiRunner()
     return None  # Beam resolves the name from the options
-
-
-def _committed_episodes(layout: DatasetLayout, manifests: list[DatasetManifest]) -> set[str]:
-    paths = [str(layout.root / f.path) for m in manifests for f in m.files if f.path.startswith("trajectories/")]
-    paths = [p for p in paths if Path(p).exists()]
-    if not paths:
-        return set()
-    return set(pads.dataset(paths, format="parquet").to_table(columns=["episode_id"]).column(0).to_pylist())
 
 
 class _ReadPendingFn(beam.DoFn):
@@ -216,7 +231,7 @@ def run_batch(
         from streams.consumer import end_offsets, ranges_from
 
         topic = kafka["topic"]
-        start = {int(p): r[1] for p, r in (last.offsets.get(topic, {}) if last else {}).items()}
+        start = covered_offsets(manifests, topic)
         end = end_offsets(kafka["conn"], topic)
         ranges = ranges_from(topic=topic, start=start, end=end)
         manifest.offsets = {topic: {p: [start.get(p, 0), e] for p, e in sorted(end.items())}}
@@ -247,32 +262,171 @@ def run_batch(
     else:
         read = (p | "RawRecords" >> beam.Create(list(raw_records), reshuffle=False)
                 | "DecodeAndValidate" >> DecodeAndValidate())
-    pending_in = (p | "PendingFile" >> beam.Create([pending_path] if pending_path else [], reshuffle=False)
-                  | "ReadPending" >> beam.ParDo(_ReadPendingFn()).with_output_types(Tuple[str, List[Event]]))
-    fragments = (read.fragments, pending_in) | "AllFragments" >> beam.Flatten()
+    fragments = read.fragments
+    if pending_path:  # a Flatten is one more encode/decode pass of every event on FnApiRunner: only if needed
+        pending_in = (p | "PendingFile" >> beam.Create([pending_path], reshuffle=False)
+                      | "ReadPending" >> beam.ParDo(_ReadPendingFn()).with_output_types(Tuple[str, List[Event]]))
+        fragments = (fragments, pending_in) | "AllFragments" >> beam.Flatten()
     assembled = fragments | "AssembleEpisodes" >> AssembleEpisodes(
         incomplete_after_s=incomplete_after_s, clock_floor_s=last.clock_s if last else 0.0,
-        already_emitted=_committed_episodes(layout, manifests),
+        already_emitted=committed_episode_ids(layout, manifests),
     )
-    normalized = (
+    episodes = (
         assembled["episodes"]
         | "VerifySteps" >> VerifySteps(use_domain_verifiers=use_domain_verifiers)
         | "ComputeProcessRewards" >> ComputeProcessRewards(recipe)
         | "ClipTrajectories" >> ClipTrajectories(max_steps=recipe.max_steps,
                                                  max_action_tokens=recipe.max_action_tokens, gamma=recipe.gamma)
-        | "NormalizeByDomain" >> NormalizeByDomain(recipe, prior=prior.stats)
     )
+    # Domain normalization: statistics here, applied to the rows by the writer (prior ⊕ run).
+    stats = episodes | "ComputeNormStats" >> ComputeNormStats()
     dead = (read[DEAD_LETTER_TAG], assembled[DEAD_LETTER_TAG]) | "AllDeadLetters" >> beam.Flatten()
     _ = {
-        "episodes": normalized["episodes"], "incomplete": assembled[INCOMPLETE_TAG],
-        "pending": assembled[PENDING_TAG], "dead_letters": dead, "stats": normalized[STATS_TAG],
-    } | "WriteDatasets" >> WriteDatasets(staging, recipe, commit=commit, shards=shards)
+        "episodes": episodes, "incomplete": assembled[INCOMPLETE_TAG],
+        "pending": assembled[PENDING_TAG], "dead_letters": dead, "stats": stats,
+    } | "WriteDatasets" >> WriteDatasets(staging, recipe, commit=commit, shards=shards, prior=prior.stats)
     result = p.run()
     result.wait_until_finish()
     counts, clock_ms = _counts(result)
     manifest.counts = counts
     manifest.clock_s = max(last.clock_s if last else 0.0, clock_ms / 1000.0)
     commit_staged(layout, manifest, prior_norm=prior, crash_at=crash_at)
+    return counts
+
+
+class _SkipCommittedFn(beam.DoFn):
+    """Drop fragments of episodes an earlier run committed (replayed input); they count as duplicates."""
+
+    def __init__(self, committed: frozenset[str]) -> None:
+        self._committed = committed
+        self._dups = beam.metrics.Metrics.counter(METRICS_NAMESPACE, "duplicates")
+
+    def process(self, fragment: tuple[str, list[Event]]):
+        if fragment[0] in self._committed:
+            self._dups.inc(len(fragment[1]))
+            return
+        yield fragment
+
+
+def _load_pending(path: Path | None, committed: set[str]) -> list[tuple[str, list[Event]]]:
+    """Fragments of the pending-state file, minus episodes committed since it was written."""
+    if path is None:
+        return []
+    import pyarrow.feather as feather
+
+    from pipelines.archive_source import table_to_fragments
+
+    frags, _ = table_to_fragments(feather.read_table(str(path)))
+    return [f for f in frags if f[0] not in committed]
+
+
+class _StampPendingFn(beam.DoFn):
+    """Pending fragments restart their idle clock at job start (their old Kafka times are gone)."""
+
+    def __init__(self, at_s: float) -> None:
+        self._at_s = at_s
+        self._n = beam.metrics.Metrics.counter(METRICS_NAMESPACE, "events_pending_in")
+
+    def process(self, fragment: tuple[str, list[Event]]):
+        self._n.inc(len(fragment[1]))
+        yield beam.window.TimestampedValue(fragment, self._at_s)
+
+
+def run_stream(
+    *,
+    out: str | Path,
+    recipe: Recipe,
+    kafka: dict[str, Any],
+    options: PipelineOptions,
+    window_s: float = 10.0,
+    allowed_lateness_s: float = 3600.0,
+    incomplete_after_s: float = 3600.0,
+    idle_watermark_lag_s: float = 10.0,
+    stop_after_s: float | None = None,
+    stop_offsets: dict[int, int] | None = None,
+    shards: int = 1,
+    use_domain_verifiers: bool = True,
+) -> dict[str, int]:
+    """The streaming job: follow the topic, commit one dataset commit per event-time window pane.
+
+    Same transforms as :func:`run_batch` (decode → dedupe/assemble → verify →
+    rewards → clip → normalize → write); the source is
+    :class:`~pipelines.sources_kafka.ReadKafkaStream` started at the offsets the
+    manifests cover (:func:`pipelines.commit.covered_offsets`), the assembler is
+    :class:`~pipelines.assemble.AssembleEpisodesStreaming`, and each window pane
+    is committed by :class:`~pipelines.stream_commit.CommitWindows`. Episodes
+    still open when a stop condition ends the stream are committed as pending
+    state and fed back on the next start. Blocks until the job ends (a stop
+    condition, or cancellation).
+
+    Args:
+        out: dataset root.
+        recipe: the reward recipe.
+        kafka: ``{"conn": KafkaConnection, "topic": str}``.
+        options: Beam options with ``streaming`` set (:func:`pipelines.runners.runner_options`).
+        window_s: event-time window per commit, seconds.
+        allowed_lateness_s: late elements this long after a window's end still get a late commit.
+        incomplete_after_s: idle event time before an unfinished episode is emitted as incomplete.
+        idle_watermark_lag_s: a caught-up partition's watermark trails the wall clock by this much.
+        stop_after_s: stop reading after this much wall time (None: run until cancelled).
+        stop_offsets: stop each partition at this offset (tests); partitions not named stop at once.
+        shards: files per (table, domain) per commit.
+        use_domain_verifiers: run ``rollout.verifiers`` in VerifySteps.
+
+    Returns:
+        The job's counts (keys :data:`COUNT_KEYS`, from the pipeline's metrics)
+        plus ``commits``.
+    """
+    from pipelines.assemble import AssembleEpisodesStreaming
+    from pipelines.sources_kafka import ReadKafkaStream
+    from pipelines.stream_commit import CommitPending, CommitWindows, batch_offsets
+
+    layout = DatasetLayout(out=str(out), version=recipe.version, recipe_hash=recipe.content_hash)
+    fixed = recover(layout)
+    manifests = read_manifests(layout)
+    topic = kafka["topic"]
+    start = covered_offsets(manifests, topic)
+    committed = committed_episode_ids(layout, manifests)
+    pending = _load_pending(latest_pending_file(layout, manifests), committed)
+    started = time.time()
+    # A timer due after the stop (minus the idle lag) can only fire because the stream ended.
+    end_of_input_s = started + stop_after_s - idle_watermark_lag_s if stop_after_s else None
+    _LOG.info("stream of %s from %s: start offsets %s, %d pending episodes, %d committed, recovered %s",
+              topic, recipe.version, start, len(pending), len(committed), fixed)
+
+    p = beam.Pipeline(options=options)
+    batches = p | "ReadKafkaStream" >> ReadKafkaStream(
+        kafka["conn"], topic, start_offsets=start, idle_watermark_lag_s=idle_watermark_lag_s,
+        stop_after_s=stop_after_s, stop_offsets=stop_offsets)
+    decoded = batches | "DecodeAndValidate" >> DecodeAndValidate()
+    pending_in = (p | "PendingState" >> beam.Create(pending, reshuffle=False)
+                  | "StampPending" >> beam.ParDo(_StampPendingFn(started)).with_output_types(Tuple[str, List[Event]]))
+    assembled = (
+        (decoded.fragments, pending_in)
+        | "AllFragments" >> beam.Flatten()
+        | "SkipCommitted" >> beam.ParDo(_SkipCommittedFn(frozenset(committed))).with_output_types(
+            Tuple[str, List[Event]])
+        | "AssembleEpisodes" >> AssembleEpisodesStreaming(incomplete_after_s=incomplete_after_s,
+                                                         end_of_input_s=end_of_input_s)
+    )
+    episodes = (
+        assembled.episodes
+        | "VerifySteps" >> VerifySteps(use_domain_verifiers=use_domain_verifiers)
+        | "ComputeProcessRewards" >> ComputeProcessRewards(recipe)
+        | "ClipTrajectories" >> ClipTrajectories(max_steps=recipe.max_steps,
+                                                 max_action_tokens=recipe.max_action_tokens, gamma=recipe.gamma)
+    )
+    dead = (decoded[DEAD_LETTER_TAG], assembled[DEAD_LETTER_TAG]) | "AllDeadLetters" >> beam.Flatten()
+    _ = {
+        "episodes": episodes, "incomplete": assembled[INCOMPLETE_TAG], "dead_letters": dead,
+        "offsets": batches | "BatchOffsets" >> beam.Map(batch_offsets),
+    } | "CommitWindows" >> CommitWindows(out, recipe, topic=topic, window_s=window_s,
+                                         allowed_lateness_s=allowed_lateness_s, shards=shards)
+    _ = assembled[PENDING_TAG] | "CommitPending" >> CommitPending(out, recipe, topic=topic)
+    result = p.run()
+    result.wait_until_finish()
+    counts, _ = _counts(result)
+    counts["commits"] = len(read_manifests(layout)) - len(manifests)
     return counts
 
 
@@ -310,6 +464,19 @@ def run(argv: Sequence[str] | None = None, *, conn: KafkaConnection | None = Non
         base = conn or KafkaConnection(client_id="trajpipe-pipeline")
         kafka = {"conn": msgspec.structs.replace(base, bootstrap_servers=args.bootstrap),
                  "topic": args.topic or default_topic}
+    if args.mode == "stream":
+        from pipelines.runners import RunnerConfigError, RunnerNotInstalledError, runner_options
+
+        try:
+            options = runner_options(args.runner or "PrismRunner", "stream", beam_args)
+        except (RunnerConfigError, RunnerNotInstalledError) as err:
+            raise JobError(str(err)) from err
+        return run_stream(
+            out=args.out, recipe=recipe, kafka=kafka, options=options,
+            window_s=args.window_s, allowed_lateness_s=args.allowed_lateness_s,
+            incomplete_after_s=args.incomplete_after, idle_watermark_lag_s=args.idle_watermark_lag_s,
+            stop_after_s=args.stop_after_s, shards=args.shards,
+        )
     total = dict.fromkeys(COUNT_KEYS, 0)
     while True:
         counts = run_batch(

@@ -206,6 +206,7 @@ def archive(
 @app.command("train")
 def train(
     data: Annotated[Optional[Path], typer.Option(help="dataset root (holds _manifests/ and steps/)")] = None,
+    recipe: Annotated[Optional[str], typer.Option(help="dataset version <name>-<hash8> (needed when --data holds several)")] = None,
     model: Annotated[Optional[Path], typer.Option(help="base model: a local HF directory")] = None,
     out: Annotated[Optional[Path], typer.Option(help="run directory: metrics.jsonl, checkpoints/, policies/")] = None,
     objective: Annotated[Optional[str], typer.Option(help="bc | awr | ppo | grpo")] = None,
@@ -227,7 +228,7 @@ def train(
 
     try:
         cfg = load_train_config(config, **{
-            "data.dir": str(data) if data else None, "model": str(model) if model else None,
+            "data.dir": str(data) if data else None, "data.recipe": recipe, "model": str(model) if model else None,
             "out": str(out) if out else None, "objective.name": objective, "mode": mode, "max_steps": max_steps,
             "engine.deepspeed_config": str(deepspeed_config) if deepspeed_config else None,
             "engine.zero_stage": zero_stage, "resume": resume or None, "publish.every": publish_every,
@@ -512,7 +513,9 @@ def demo(
         step("8. analyst query", "query", "--archive", str(archive), "--data", str(data),
              "select recipe, domain, count(*) episodes, round(avg(outcome_reward), 3) reward, "
              "round(avg(num_steps), 2) steps from trajectories group by recipe, domain order by recipe, domain")
+        version = next((data / "_manifests").glob("outcome-*")).name
         results["train"] = step("9. GRPO training with DeepSpeed, policy published", "train", "--data", str(data),
+                                "--recipe", version,
                                 "--model", str(tiny), "--out", str(run_dir), "--objective", "grpo", "--max-steps",
                                 str(train_steps), "--bootstrap", bootstrap)
         published = sorted((run_dir / "policies").glob("v*"))

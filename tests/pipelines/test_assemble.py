@@ -51,3 +51,18 @@ def test_streaming_assembler_emits_complete_and_times_out_unfinished():
                     equal_to([(a[0].episode_id, len(a))]), label="complete")
         assert_that(out.incomplete | beam.Map(lambda e: (e.episode_id, e.incomplete_reason)),
                     equal_to([(b[0].episode_id, "unfinished")]), label="incomplete")
+
+
+def test_streaming_assembler_sends_open_episodes_to_pending_at_end_of_input():
+    a, b = episodes(2, seed=12)
+    frags = [(a[0].episode_id, a[:-1]), (b[0].episode_id, b[:-1])]  # neither finishes
+    t_a, t_b = 1_000.0, 2_000.0
+    with make_pipeline() as p:
+        stamped = (p | beam.Create(list(zip(frags, (t_a, t_b))))
+                   | beam.Map(lambda ft: beam.window.TimestampedValue(ft[0], ft[1])))
+        # a's timer (1000 + 60) is before the end of input (1500): idle, so incomplete; b's (2060) is
+        # after it: it only fired because the input ended, so b is still open -> pending.
+        out = stamped | AssembleEpisodesStreaming(incomplete_after_s=60, end_of_input_s=1_500.0)
+        assert_that(out.incomplete | beam.Map(lambda e: e.episode_id), equal_to([a[0].episode_id]), label="inc")
+        assert_that(out.pending | beam.Map(lambda kv: (kv[0], len(kv[1]))),
+                    equal_to([(b[0].episode_id, len(b) - 1)]), label="pending")

@@ -46,3 +46,19 @@ def test_transform_merges_prior_statistics():
         assert_that(out["stats"] | beam.Map(lambda kv: (kv[0], kv[1].n, kv[1].mean)),
                     equal_to([("advantage/math", 2, 1.0), ("return/math", 1, 1.0), ("group/g", 1, 1.0)]),
                     label="stats")
+
+
+def test_normalize_rows_matches_normalize_episode():
+    from pipelines.normalize import normalize_rows
+    from pipelines.sinks import episode_rows
+
+    rec = Recipe(name="o", eps=1e-6)
+    x = annotate_rewards(make_episode("x", outcome=1.0, n_steps=3), rec)
+    stats = {"advantage/math": RunningStats.of([1, 1, 1, 0, 0]), "return/math": RunningStats.of([1.0, 0.0]),
+             "group/g": RunningStats.of([1.0, 0.0])}
+    for mode in ("domain", "group", "none"):
+        want_traj, want_steps = episode_rows(normalize_episode(x, stats, mode=mode, eps=rec.eps), rec)
+        got_traj, got_steps = normalize_rows(*episode_rows(x, rec), stats, mode=mode, eps=rec.eps)
+        assert got_traj == want_traj and len(got_steps) == len(want_steps)
+        for g, w in zip(got_steps, want_steps):
+            assert (g.normalized_advantage, g.group_advantage) == (w.normalized_advantage, w.group_advantage)

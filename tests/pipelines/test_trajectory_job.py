@@ -179,3 +179,20 @@ def test_option_errors_name_the_option(tmp_path):
              "--runner", "FnApiRunner"])
     with pytest.raises(JobError, match="`--archive`"):
         run(["--source", "archive", "--out", str(tmp_path)])
+    with pytest.raises(JobError, match="`--mode stream` reads Kafka"):
+        run(["--source", "archive", "--archive", "a", "--out", str(tmp_path), "--mode", "stream"])
+    with pytest.raises(JobError, match="`--stop-after-s`"):
+        run(["--source", "kafka", "--bootstrap", "b:1", "--out", str(tmp_path), "--mode", "stream",
+             "--stop-after-s", "0"])
+
+
+def test_covered_offsets_is_the_largest_end_per_partition():
+    from pipelines.commit import DatasetManifest, covered_offsets
+
+    def m(n, offsets):
+        return DatasetManifest(commit=n, version="v", recipe_hash="h", source="kafka", offsets={"t": offsets})
+
+    # stream panes interleave in offsets (a late pane of partition 1 after a later window's pane)
+    assert covered_offsets([m(1, {0: [0, 49]}), m(2, {0: [49, 68], 1: [71, 146]}), m(3, {1: [0, 71]})], "t") \
+        == {0: 68, 1: 146}
+    assert covered_offsets([m(1, {0: [0, 5]})], "other") == {}
