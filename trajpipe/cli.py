@@ -127,6 +127,7 @@ def synth(
     episodes: Annotated[int, typer.Option(help="episodes to emit")] = 100,
     domains: Annotated[str, typer.Option(help="comma-separated domains")] = "code,math,docqa,tools",
     seed: Annotated[int, typer.Option(help="RNG seed (same seed, same events)")] = 0,
+    vocab_size: Annotated[int, typer.Option("--vocab-size", help="token ids are drawn below this")] = 32000,
     bootstrap: BootstrapOpt = None,
     spool_dir: Annotated[Optional[Path], typer.Option("--spool-dir", help="where to spool if Kafka is down")] = None,
     config: ConfigOpt = None,
@@ -149,7 +150,7 @@ def synth(
     t0 = time.perf_counter()
     with EventProducer(conn, topics.events, spool_dir=spool_dir or Path(settings.spool_dir)) as producer, _progress() as bar:
         task = bar.add_task("synth episodes", total=episodes, rate="")
-        for i, episode in enumerate(generate_episodes(episodes, domains=domain_list, seed=seed)):
+        for i, episode in enumerate(generate_episodes(episodes, domains=domain_list, seed=seed, vocab_size=vocab_size)):
             for event in episode:
                 producer.emit(event)
             n_events += len(episode)
@@ -249,8 +250,12 @@ def train(
             producer.emit(event)
             producer.flush()
 
+    from trainer.data import DataError
+
     try:
         summary = run(cfg, emit_event=emit)
+    except DataError as err:
+        _fail(str(err))
     finally:
         if producer is not None:
             producer.close()
@@ -502,7 +507,8 @@ def demo(
                                   bootstrap, "--episodes", str(episodes), "--domains", "code,math,docqa,tools",
                                   "--policy", "scripted", "--concurrency", "4")
         results["synth"] = step("4. synthetic traffic", "synth", "--bootstrap", bootstrap, "--episodes",
-                                str(synth_episodes), "--seed", "1")
+                                str(synth_episodes), "--seed", "1", "--vocab-size",
+                                str(results["model"].get("vocab_size", 32000)))
         results["archive"] = step("5. archive the event log", "archive", "--bootstrap", bootstrap, "--out",
                                   str(archive), "--until-end")
         results["pipeline"] = step("6. Beam trajectory job from Kafka (FnApiRunner)", "pipeline", "run", "--source",

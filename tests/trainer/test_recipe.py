@@ -123,3 +123,13 @@ def test_lora_group_adapter_is_merged_on_publish(tiny_model, vocab_size, make_da
 
     code_ids = set(ds.dataset(data / "steps" / "recipe=synthetic-00000000" / "domain=code").to_table()["event_id"].to_pylist())
     assert ids and set(ids) <= code_ids
+
+
+def test_token_ids_beyond_the_model_vocabulary_are_a_clear_error(tiny_model, vocab_size, make_dataset, tmp_path):
+    from trajpipe.cli import app
+
+    data = make_dataset((10,), vocab_size=vocab_size * 4)  # tokenized for a larger model
+    res = CliRunner().invoke(app, ["train", "--data", str(data), "--model", str(tiny_model), "--out",
+                                   str(tmp_path / "out"), "--max-steps", "2"])
+    assert res.exit_code == 2
+    assert "vocabulary" in res.output and "tokenized for another model" in res.output

@@ -31,7 +31,7 @@ import torch
 
 from schemas.events import Event
 from trainer.config import TrainConfig
-from trainer.data import PackedBatch, StepFilter, TrajectoryLoader, TrajectoryStream
+from trainer.data import DataError, PackedBatch, StepFilter, TrajectoryLoader, TrajectoryStream
 from trainer.engine import (
     TrainEngine, build_deepspeed_config, init_distributed, load_model, read_deepspeed_override, resolve_device,
 )
@@ -157,6 +157,17 @@ class RLRecipe:
                 return None
         return batch
 
+    def _check_token_ids(self, batch) -> None:
+        # Token ids from another tokenizer would crash deep inside the embedding; say so instead.
+        vocab = int(self.engine.module.config.vocab_size)
+        top = int(batch.input_ids.max()) if batch.input_ids.numel() else 0
+        if top >= vocab:
+            raise DataError(
+                f"the dataset holds token id {top}, but the model {self.cfg.model} has a vocabulary of {vocab}: "
+                "these trajectories were tokenized for another model; filter them out (--recipe / filters) "
+                "or train the model they were generated with"
+            )
+
     def train_step(self) -> dict[str, float] | None:
         """One optimizer step over ``grad_accum`` micro-batches; its metrics, or None when data ran out."""
         t_start = time.perf_counter()
@@ -170,6 +181,7 @@ class RLRecipe:
             wait += time.perf_counter() - t0
             if batch is None:
                 return None
+            self._check_token_ids(batch)
             batch = batch.to(self.device)
             logp = self.engine.logprobs(batch)
             ref_logp = self.engine.reference_logprobs(batch)
