@@ -548,6 +548,7 @@ def main() -> None:
     """Console-script entry point."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("kafka").setLevel(logging.WARNING)
+    logging.getLogger("apache_beam").setLevel(logging.WARNING)
     logging.getLogger("apache_beam.io.gcp").setLevel(logging.ERROR)
     for handler in logging.getLogger().handlers:  # Beam warns about optional GCP clients at import
         handler.addFilter(lambda record: "apitools not found" not in record.getMessage())

@@ -233,8 +233,7 @@ class RLRecipe:
                     self.publish()
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                     self.save_checkpoint()
-        if cfg.publish.at_end and (cfg.publish.every or cfg.mode == "online") and \
-                self._last_published_step != self.step:
+        if cfg.publish.at_end and self.step > 0 and self._last_published_step != self.step:
             self.publish()
         if cfg.checkpoint.at_end and self._last_checkpoint_step != self.step:
             self.save_checkpoint()
