@@ -1,0 +1,68 @@
+"""The Beam trajectory job against its baselines, on the same data in one run.
+
+* Kafka: raw kafka-python consume of the topic (large fetches, decoding nothing)
+  vs the job reading the same offsets and committing datasets
+  → ``pipeline_kafka_vs_raw_consume`` (goal >= 0.8).
+* Archive: the job vs a plain polars implementation of the same transforms on
+  the same files → ``pipeline_archive_vs_polars`` (goal >= 0.25), from
+  :func:`pipelines.bench.bench_archive`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+from kafka import KafkaProducer
+
+from pipelines.bench import bench_archive
+from pipelines.recipes import load_recipe
+from pipelines.trajectory_job import run_batch
+from schemas.codec import encode_event
+from streams.admin import ensure_topics
+from streams.archive import Archiver
+from streams.config import KafkaConnection, Topics
+from streams.consumer import end_offsets, ranges_from, read_range
+from streams.synth import generate_episodes
+
+__all__ = ["bench_pipeline"]
+
+
+def bench_pipeline(bootstrap: str, workdir: Path, *, n_episodes: int = 3000) -> dict[str, float]:
+    """Events/s of the job from Kafka and from the archive, each beside its baseline."""
+    conn = KafkaConnection(bootstrap_servers=bootstrap, client_id="bench-pipeline")
+    topic = f"bench.pipeline.{uuid.uuid4().hex[:8]}"
+    ensure_topics(conn, Topics(events=topic, dead_letters=topic + ".dlq", control=topic + ".ctl", partitions=4))
+    producer = KafkaProducer(**conn.client_kwargs(), acks="all", compression_type="lz4", linger_ms=10,
+                             batch_size=256 * 1024)
+    n_events = 0
+    for episode in generate_episodes(n_episodes, seed=5):
+        for ev in episode:
+            producer.send(topic, key=ev.episode_id.encode(), value=encode_event(ev))
+            n_events += 1
+    producer.flush()
+    producer.close()
+    ranges = ranges_from(topic=topic, start={}, end=end_offsets(conn, topic))
+
+    t0 = time.perf_counter()
+    consumed = sum(len(batch) for batch in read_range(conn, ranges))
+    raw_s = time.perf_counter() - t0
+    if consumed != n_events:
+        raise RuntimeError(f"raw consume read {consumed} of {n_events} events")
+
+    t0 = time.perf_counter()
+    counts = run_batch(out=workdir / "from-kafka", recipe=load_recipe("outcome"), source="kafka",
+                       kafka={"conn": conn, "topic": topic})
+    job_s = time.perf_counter() - t0
+    if counts["events_in"] != n_events:
+        raise RuntimeError(f"the job read {counts['events_in']} of {n_events} events")
+
+    Archiver(workdir / "archive", conn=conn, topic=topic, dead_letter=lambda rec, err: None).run()
+    figures = bench_archive(workdir / "archive", workdir / "from-archive")
+    figures.update({
+        "raw_consume_events_per_s": round(n_events / raw_s),
+        "pipeline_kafka_events_per_s": round(n_events / job_s),
+        "pipeline_kafka_vs_raw_consume": round(raw_s / job_s, 3),
+    })
+    return figures
