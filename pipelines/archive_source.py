@@ -1,4 +1,4 @@
-"""ReadArchive: a bounded source over the committed files of an event archive.
+"""ReadArchiveEpisodes: a bounded source over the committed files of an event archive.
 
 The archive layout and commit protocol are in docs/archive.md: only files
 named by a ``_commits/<n>.json`` manifest are read (never ``*.tmp`` files of an
@@ -6,7 +6,9 @@ unfinished commit). One element per file; each file becomes per-episode
 fragments ``(episode_id, list[Event])`` through a columnar conversion
 (:func:`table_to_fragments`) that slices token arrays straight out of the Arrow
 buffers instead of going through Python lists (``schemas.arrow.table_to_events``
-does that and is ~10x slower).
+does that and is ~10x slower). The archive keeps an episode's events
+together, so episodes held whole by one file are assembled right there
+(:class:`ReadArchiveEpisodes`); only those spread over files take the shuffle.
 
 Examples:
     >>> from streams.synth import generate_episodes
@@ -21,26 +23,38 @@ Examples:
 
 from __future__ import annotations
 
+import enum
+import functools
+import typing
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any
 
 import apache_beam as beam
 import msgspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from apache_beam.metrics import Metrics
 
 from pipelines.decode import validate_event
 from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE
-from schemas.arrow import ENVELOPE_FIELDS, payload_fields
+from schemas.arrow import ENVELOPE_FIELDS, archive_schema, payload_fields
 from schemas.deadletter import DeadLetter
 from schemas.events import EVENT_TYPES, Event, LogProbs, TokenIds
 
-__all__ = ["ReadArchive", "ArchiveFile", "list_archive_files", "table_to_fragments", "read_archive_file"]
+__all__ = [
+    "ReadArchiveEpisodes",
+    "ArchiveFile",
+    "list_archive_files",
+    "split_episode_ids",
+    "table_to_fragments",
+    "read_archive_file",
+    "FRAMES_TAG",
+]
 
 _ARRAY_VIEWS = {pa.int32(): TokenIds, pa.float32(): LogProbs}
 _DETECTED_BY = "pipeline.read_archive"
@@ -97,44 +111,57 @@ def table_to_fragments(table: pa.Table, *, topic: str = "") -> tuple[list[tuple[
     :func:`pipelines.decode.validate_event` rejects them) become dead letters
     with reason ``invalid_event``/``invalid_seq``/... and their Kafka position.
     Columns missing from older files take the field defaults.
+
+    Columns typed as :func:`schemas.arrow.archive_schema` says (files this
+    version wrote) build the events directly from column values, per event
+    type; anything else (older or foreign types, nulls in a column) goes
+    through ``msgspec.convert``, which checks and coerces every value.
     """
     n = table.num_rows
     env_cols = {
-        name: _times(table.column(name)) if name == "event_time" else table.column(name).to_pylist()
+        name: np.asarray(_times(table.column(name)) if name == "event_time" else table.column(name).to_pylist(),
+                         dtype=object)
         for name in ENVELOPE_FIELDS
         if name in table.column_names
     }
-    etypes = env_cols["event_type"]
     parts = table.column("kafka_partition").to_pylist() if "kafka_partition" in table.column_names else [None] * n
     offs = table.column("kafka_offset").to_pylist() if "kafka_offset" in table.column_names else [None] * n
     events: list[Event | None] = [None] * n
     dead: list[DeadLetter] = []
-    etype_arr = np.asarray(etypes, dtype=object)
+    etype_arr = env_cols["event_type"]
+    typed = _typed_as_archive(table.schema)
     for name, cls in EVENT_TYPES.items():
         rows = np.flatnonzero(etype_arr == name)
         if not len(rows) or name not in table.column_names:
             continue
         struct = table.column(name).combine_chunks()
-        scalars: dict[str, list[Any]] = {}
-        arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        columns: dict[str, list[Any]] = {k: v[rows].tolist() for k, v in env_cols.items() if k != "event_type"}
+        arrays: set[str] = set()
         for field in payload_fields(name):
             idx = struct.type.get_field_index(field)
             if idx < 0:
                 continue  # older file: the field takes its default
             child = struct.field(idx)
             if pa.types.is_list(child.type) and child.type.value_type in _ARRAY_VIEWS:
-                arrays[field] = _list_column(child, _ARRAY_VIEWS[child.type.value_type])
+                o, vals = _list_column(child, _ARRAY_VIEWS[child.type.value_type])
+                columns[field] = [vals[o[i]:o[i + 1]] for i in rows]
+                arrays.add(field)
             else:
-                scalars[field] = child.to_pylist()
-        for i in rows:
-            data = {k: v[i] for k, v in env_cols.items() if k != "event_type"}
-            for k, v in scalars.items():
-                if v[i] is not None:
-                    data[k] = v[i]
-            for k, (o, vals) in arrays.items():
-                data[k] = vals[o[i]:o[i + 1]]
+                columns[field] = np.asarray(child.to_pylist(), dtype=object)[rows].tolist()
+        fast = typed and not any(None in v for k, v in columns.items() if k not in arrays and k not in _nullable(cls))
+        if fast:
+            for k, convert in _converters(cls).items():
+                if k in columns:
+                    columns[k] = [convert(v) for v in columns[k]]
+        names = list(columns)
+        for i, values in zip(rows.tolist(), zip(*columns.values())):
+            data = dict(zip(names, values))
             try:
-                ev = msgspec.convert(data, cls, dec_hook=_dec_hook, strict=False)
+                if fast:  # types guaranteed by the file schema: construct directly
+                    ev = cls(**data)
+                else:
+                    ev = msgspec.convert({k: v for k, v in data.items() if v is not None}, cls, dec_hook=_dec_hook,
+                                         strict=False)
                 problem = validate_event(ev, key=None)
             except (msgspec.ValidationError, ValueError, TypeError) as err:
                 problem = ("invalid_event", f"{name} row {i}: {err}")
@@ -153,6 +180,56 @@ def table_to_fragments(table: pa.Table, *, topic: str = "") -> tuple[list[tuple[
         if ev is not None:
             by_episode[ev.episode_id].append(ev)
     return list(by_episode.items()), dead
+
+
+_PLAIN_TYPES = (str, int, float, bool, datetime, TokenIds, LogProbs)
+
+
+@functools.lru_cache(maxsize=None)
+def _nullable(cls: type) -> frozenset[str]:
+    """Fields whose default is None (a null column value means the same thing)."""
+    return frozenset(f.name for f in msgspec.structs.fields(cls) if f.default is None)
+
+
+@functools.lru_cache(maxsize=None)
+def _converters(cls: type) -> dict[str, Any]:
+    """Per field that is not a plain type: how to turn a column value into the field's type."""
+    out: dict[str, Any] = {}
+    for f in msgspec.structs.fields(cls):
+        args = [a for a in typing.get_args(f.type) if a is not type(None)] or [f.type]
+        if len(args) == 1 and args[0] in _PLAIN_TYPES:
+            continue
+        if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], enum.Enum):
+            out[f.name] = functools.partial(_to_enum, args[0])
+        else:
+            out[f.name] = functools.partial(_convert, f.type)
+    return out
+
+
+def _to_enum(cls: type, value: Any) -> Any:
+    return None if value is None else cls(value)
+
+
+def _convert(typ: Any, value: Any) -> Any:
+    return msgspec.convert(value, typ, dec_hook=_dec_hook, strict=False)
+
+
+def _typed_as_archive(schema: pa.Schema) -> bool:
+    """Whether every column ``schema`` shares with the archive schema has the archive's type."""
+    want = archive_schema()
+    for field in schema:
+        i = want.get_field_index(field.name)
+        if i < 0:
+            continue
+        expected = want.field(i).type
+        if pa.types.is_struct(field.type) and pa.types.is_struct(expected):
+            for child in field.type:  # older files may lack children (defaults); extra children are ignored
+                j = expected.get_field_index(child.name)
+                if j >= 0 and expected.field(j).type != child.type:
+                    return False
+        elif field.type != expected:
+            return False
+    return True
 
 
 def _times(col: pa.ChunkedArray) -> list[datetime]:
@@ -178,13 +255,39 @@ def read_archive_file(path: str | Path, *, topic: str = "") -> tuple[list[tuple[
     return frags, dead, table.num_rows
 
 
-class _ReadFileFn(beam.DoFn):
-    def __init__(self) -> None:
+def split_episode_ids(files: Sequence[ArchiveFile], *, also: Iterable[str] = ()) -> frozenset[str]:
+    """Episodes whose events are spread over more than one of ``files`` (plus ``also``).
+
+    Reads only the ``episode_id`` column of each file. Every other episode is
+    wholly inside one file, so it can be assembled where the file is read,
+    without a shuffle (:class:`ReadArchiveEpisodes`).
+    """
+    if not files:
+        return frozenset(also)
+    uniques = [pc.unique(pq.read_table(f.path, columns=["episode_id"]).column(0)) for f in files]
+    counts = pc.value_counts(pa.chunked_array(uniques, type=pa.string()).combine_chunks())
+    spread = counts.filter(pc.greater(counts.field("counts"), 1)).field("values").to_pylist()
+    return frozenset(spread) | frozenset(also)
+
+
+#: Output of :class:`ReadArchiveEpisodes` with the frames of split episodes.
+FRAMES_TAG = "frames"
+
+
+class _ReadFileLocalFn(beam.DoFn):
+    def __init__(self, split: frozenset[str], already_emitted: frozenset[str]) -> None:
+        from pipelines.frames import EpisodeAssembler
+
+        self._split = split
+        self._assemble = EpisodeAssembler(already_emitted)
         self._events_in = Metrics.counter(METRICS_NAMESPACE, "events_in")
         self._dead = Metrics.counter(METRICS_NAMESPACE, "dead_letters")
         self._files = Metrics.counter(METRICS_NAMESPACE, "archive_files_read")
+        self._local = Metrics.counter(METRICS_NAMESPACE, "episodes_assembled_locally")
 
     def process(self, f: ArchiveFile) -> Iterator[Any]:
+        from pipelines.frames import to_frames
+
         frags, dead, rows = read_archive_file(f.path, topic=f.topic)
         self._files.inc()
         self._events_in.inc(rows)
@@ -192,32 +295,53 @@ class _ReadFileFn(beam.DoFn):
             self._dead.inc(len(dead))
         for d in dead:
             yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, d)
-        yield from frags
+        local = 0
+        for episode_id, events in frags:
+            if episode_id in self._split:
+                yield beam.pvalue.TaggedOutput(FRAMES_TAG, to_frames((episode_id, events), f.topic))
+            else:
+                local += 1
+                yield from self._assemble(episode_id, events)
+        self._local.inc(local)
 
 
-class ReadArchive(beam.PTransform):
-    """Read committed archive files as per-episode fragments (plus dead letters).
+class ReadArchiveEpisodes(beam.PTransform):
+    """Read committed archive files and assemble, where they are read, the episodes each file holds whole.
+
+    The archive keeps each episode's events together (bucket files sorted by
+    ``(episode_id, seq)``), so most episodes need no shuffle: those not in
+    ``split`` (:func:`split_episode_ids`: spread over several input files, or
+    in the pending state) are deduplicated and assembled by the reading DoFn
+    itself (:class:`pipelines.frames.EpisodeAssembler`), the rest leave as frame
+    blobs for :class:`pipelines.frames.AssembleEpisodesFromFrames`.
 
     Args:
-        archive_dir: the archive root (docs/archive.md).
-        files: the files to read; default: every committed file
-            (:func:`list_archive_files`). The job passes only the commits no
-            dataset manifest covers yet.
+        archive_dir: the archive root.
+        files: the files to read (default: every committed file).
+        split: episode ids that must go through the shuffle.
+        already_emitted: episode ids earlier commits emitted (their events are duplicates).
 
     Returns:
-        A ``DoOutputsTuple`` with ``fragments`` and ``dead_letters``.
-        Counters ``pipeline/events_in``, ``pipeline/dead_letters``,
-        ``pipeline/archive_files_read``.
+        A ``DoOutputsTuple``: ``episodes`` (complete :class:`~pipelines.types.Episode` s),
+        ``undecided``, ``clock``, ``frames`` and ``dead_letters``. Counters as
+        ``pipeline/events_in``, ``pipeline/dead_letters``, ``pipeline/archive_files_read``,
+        ``pipeline/episodes_assembled_locally``.
     """
 
-    def __init__(self, archive_dir: str | Path, *, files: Sequence[ArchiveFile] | None = None) -> None:
+    def __init__(self, archive_dir: str | Path, *, files: Sequence[ArchiveFile] | None = None,
+                 split: Iterable[str] = (), already_emitted: Iterable[str] = ()) -> None:
         super().__init__()
         self._files = list(files) if files is not None else list_archive_files(archive_dir)
+        self._split, self._already = frozenset(split), frozenset(already_emitted)
 
     def expand(self, pbegin):
+        from pipelines.frames import CLOCK_TAG, UNDECIDED_TAG
+        from pipelines.types import Episode
+
         return (
             pbegin
             | "ListFiles" >> beam.Create(self._files, reshuffle=False)
             | "Distribute" >> beam.Reshuffle()
-            | "ReadFiles" >> beam.ParDo(_ReadFileFn()).with_output_types(Tuple[str, List[Event]]).with_outputs(DEAD_LETTER_TAG, main="fragments")
+            | "ReadAndAssemble" >> beam.ParDo(_ReadFileLocalFn(self._split, self._already)).with_output_types(
+                Episode).with_outputs(DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG, FRAMES_TAG, main="episodes")
         )

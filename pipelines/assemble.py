@@ -1,12 +1,12 @@
-"""DedupeEvents and AssembleEpisodes: fragments → ordered, gap-checked episodes.
+"""Episode assembly: fragments → ordered, gap-checked episodes (core functions + streaming DoFn).
 
 One pure core (:func:`dedupe_events`, :func:`assemble_episode`,
 :func:`decide`) serves both modes:
 
-* **batch / micro-batch** (:class:`AssembleEpisodes`): ``GroupByKey`` the
-  fragments, dedupe, then decide per episode with an event-time clock (the
-  largest event time the run has seen, a side input): complete episodes go
-  out as training data; unfinished ones are carried over as ``pending``
+* **batch / micro-batch** (:class:`pipelines.frames.AssembleEpisodesFromFrames`):
+  ``GroupByKey`` the raw frames, decode, dedupe, then decide per episode with an
+  event-time clock (the largest event time the run has seen, a side input):
+  complete episodes go out as training data; unfinished ones are carried over as ``pending``
   (the job persists them under ``<out>/_state/`` and feeds them back next
   run) until they have been idle longer than ``incomplete_after`` seconds
   of event time, then they go out as ``incomplete``.
@@ -33,7 +33,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any, List, Tuple
+from typing import Any
 
 import apache_beam as beam
 from apache_beam.coders import PickleCoder
@@ -48,8 +48,6 @@ from schemas.deadletter import DeadLetter
 from schemas.events import EpisodeFinished, EpisodeStarted, Event, Feedback, Step, StepVerified, make_event_id
 
 __all__ = [
-    "DedupeEvents",
-    "AssembleEpisodes",
     "AssembleEpisodesStreaming",
     "dedupe_events",
     "assemble_episode",
@@ -160,52 +158,6 @@ def _conflict_letter(ev: Event) -> DeadLetter:
     )
 
 
-class _DedupeFn(beam.DoFn):
-    def __init__(self, already_emitted: frozenset[str]) -> None:
-        self._already = already_emitted
-        self._dups = Metrics.counter(METRICS_NAMESPACE, "duplicates")
-        self._dead = Metrics.counter(METRICS_NAMESPACE, "dead_letters")
-
-    def process(self, element: tuple[str, Iterable[list[Event]]]) -> Iterator[Any]:
-        episode_id, fragments = element
-        events = [e for frag in fragments for e in frag]
-        if episode_id in self._already:
-            # Re-delivered events of an episode a previous commit already emitted.
-            self._dups.inc(len(events))
-            return
-        unique, dups, conflicts = dedupe_events(events)
-        if dups:
-            self._dups.inc(dups)
-        if conflicts:
-            self._dead.inc(len(conflicts))
-            for ev in conflicts:
-                yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, _conflict_letter(ev))
-        yield episode_id, unique
-
-
-class DedupeEvents(beam.PTransform):
-    """Grouped fragments ``(episode_id, Iterable[list[Event]])`` → ``(episode_id, unique events by seq)``.
-
-    Dedupes by ``event_id`` inside the episode: ``event_id`` is derived from
-    ``(episode_id, seq)``, so two copies of an event always share the episode
-    and grouping by episode first is enough. Different ids at one ``seq`` go
-    to ``dead_letters`` with reason ``seq_conflict``. Events of an episode in
-    ``already_emitted`` (committed by an earlier micro-batch) are all
-    duplicates. Counter ``pipeline/duplicates``.
-
-    Returns:
-        A ``DoOutputsTuple`` with ``episodes`` (main) and ``dead_letters``.
-    """
-
-    def __init__(self, *, already_emitted: Iterable[str] = ()) -> None:
-        super().__init__()
-        self._already = frozenset(already_emitted)
-
-    def expand(self, grouped):
-        return grouped | "Dedupe" >> beam.ParDo(_DedupeFn(self._already)).with_output_types(
-            Tuple[str, List[Event]]).with_outputs(DEAD_LETTER_TAG, main="episodes")
-
-
 class _DecideFn(beam.DoFn):
     """Batch decision per episode against the run's event-time clock (a side input)."""
 
@@ -230,71 +182,6 @@ class _DecideFn(beam.DoFn):
         self._counters["episodes_complete" if complete else "episodes_incomplete"].inc()
         episode = assemble_episode(episode_id, events, complete=complete, reason=reason)
         yield episode if complete else beam.pvalue.TaggedOutput(INCOMPLETE_TAG, episode)
-
-
-class _EventTimeFn(beam.DoFn):
-    """Latest event time of a fragment (epoch seconds), also recorded as a distribution."""
-
-    def __init__(self) -> None:
-        self._dist = Metrics.distribution(METRICS_NAMESPACE, EVENT_TIME_METRIC)
-
-    def process(self, fragment: tuple[str, list[Event]]) -> Iterator[float]:
-        ts = max(e.event_time for e in fragment[1]).timestamp()
-        self._dist.update(int(ts * 1000))
-        yield ts
-
-
-class AssembleEpisodes(beam.PTransform):
-    """Fragments → complete :class:`Episode` s, plus ``pending``, ``incomplete`` and ``dead_letters``.
-
-    Steps: ``GroupByKey`` by episode → :class:`DedupeEvents` → decide each
-    episode against the event-time clock ``max(clock_floor_s, latest event
-    time in the input)``: complete (``seq`` 0..n gap-free, started and
-    finished) → main output; unfinished or gapped and idle for more than
-    ``incomplete_after_s`` → ``incomplete`` (Episode with
-    ``complete=False``); otherwise → ``pending`` as ``(episode_id, events)``
-    for the next micro-batch.
-
-    Args:
-        incomplete_after_s: idle event time before giving up on an episode.
-        clock_floor_s: the clock of earlier runs (so it never goes back).
-        already_emitted: episode ids committed by earlier micro-batches.
-
-    Returns:
-        A ``DoOutputsTuple`` with ``episodes`` (main), ``pending``,
-        ``incomplete`` and ``dead_letters``.
-    """
-
-    def __init__(self, *, incomplete_after_s: float = 3600.0, clock_floor_s: float = 0.0,
-                 already_emitted: Iterable[str] = ()) -> None:
-        super().__init__()
-        if incomplete_after_s < 0:
-            raise ValueError(f"`incomplete_after_s` must be >= 0, got {incomplete_after_s}")
-        self._after = incomplete_after_s
-        self._floor = clock_floor_s
-        self._already = frozenset(already_emitted)
-
-    def expand(self, fragments):
-        floor = self._floor
-        clock = (
-            fragments
-            | "EventTimes" >> beam.ParDo(_EventTimeFn())
-            | "Clock" >> beam.CombineGlobally(lambda ts: max([floor, *ts]))
-        )
-        deduped = (
-            fragments
-            | "GroupByEpisode" >> beam.GroupByKey()
-            | "DedupeEvents" >> DedupeEvents(already_emitted=self._already)
-        )
-        decided = deduped.episodes | "Decide" >> beam.ParDo(
-            _DecideFn(self._after), clock_s=beam.pvalue.AsSingleton(clock)
-        ).with_output_types(Episode).with_outputs(PENDING_TAG, INCOMPLETE_TAG, main="episodes")
-        return {
-            "episodes": decided.episodes,
-            PENDING_TAG: decided[PENDING_TAG],
-            INCOMPLETE_TAG: decided[INCOMPLETE_TAG],
-            DEAD_LETTER_TAG: deduped[DEAD_LETTER_TAG],
-        }
 
 
 class _AssembleStatefulFn(beam.DoFn):
@@ -374,7 +261,7 @@ class _AssembleStatefulFn(beam.DoFn):
 
 
 class AssembleEpisodesStreaming(beam.PTransform):
-    """Streaming twin of :class:`AssembleEpisodes` (same core functions, stateful DoFn).
+    """Streaming twin of :class:`pipelines.frames.AssembleEpisodesFromFrames` (same core functions, stateful DoFn).
 
     Input elements must carry event-time timestamps (the source's job); the
     idle clock of an episode is its latest element timestamp. An episode is

@@ -23,7 +23,7 @@ so every episode of one run is normalized with the same numbers; over a single
 run from empty state the domain-normalized advantages have mean 0 and std
 ``std/(std+eps)`` ≈ 1. :class:`NormalizeByDomain` applies them to episodes
 (a side input); the trajectory job applies them to the dataset rows in its
-shard writer instead (:func:`normalize_rows`, same formulas), which spares a
+shard writer instead (:func:`normalize_tables`, same formulas, vectorized), which spares a
 pass that would re-encode every episode.
 
 Examples:
@@ -44,6 +44,8 @@ from typing import Any
 import apache_beam as beam
 import msgspec
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 from apache_beam.metrics import Metrics
 
 from pipelines.recipes import Recipe
@@ -56,7 +58,7 @@ __all__ = [
     "NormalizeByDomain",
     "normalize_episode",
     "stats_of_episodes",
-    "normalize_rows",
+    "normalize_tables",
     "ComputeNormStats",
     "load_norm_state",
     "STATS_TAG",
@@ -84,6 +86,10 @@ class RunningStats(msgspec.Struct, frozen=True, array_like=True):
         x = np.asarray(values, dtype=np.float64)
         if not len(x):
             return cls()
+        if len(x) <= 16:  # one episode's values: numpy's call overhead dominates
+            xs = x.tolist()
+            mean = math.fsum(xs) / len(xs)
+            return cls(n=len(xs), mean=mean, m2=math.fsum((v - mean) ** 2 for v in xs))
         mean = float(x.mean())
         return cls(n=len(x), mean=mean, m2=float(((x - mean) ** 2).sum()))
 
@@ -184,33 +190,79 @@ def stats_of_episodes(episodes: Iterable[Episode]) -> dict[str, RunningStats]:
     return {k: RunningStats.of(np.concatenate(vs)) for k, vs in sorted(values.items())}
 
 
-def normalize_rows(traj: Any, steps: list[Any], stats: Mapping[str, RunningStats], *, mode: str,
-                   eps: float) -> tuple[Any, list[Any]]:
-    """:func:`normalize_episode` on an episode's dataset rows (``TrajectoryRow``, ``StepRow`` s).
+def _lookup(stats: Mapping[str, RunningStats], family: str,
+            keys: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the mean and std of ``stats[f"{family}/{key}"]`` (0, 0 where absent)."""
+    uniq = pc.unique(keys)
+    found = [stats.get(f"{family}/{k}", RunningStats()) for k in uniq.to_pylist()]
+    means = np.array([s.mean for s in found], dtype=np.float64)
+    stds = np.array([s.std for s in found], dtype=np.float64)
+    idx = pc.index_in(keys, value_set=uniq).to_numpy(zero_copy_only=False)
+    return means[idx], stds[idx]
 
-    The same formulas, so the same numbers; for writers that normalize after
-    the rows are built (no Episode, texts and all, has to be kept for it).
-    Rows of an incomplete trajectory are returned unchanged.
+
+def normalize_tables(trajs: pa.Table, steps: pa.Table, stats: Mapping[str, RunningStats], *, mode: str,
+                     eps: float, domain: str | None = None) -> tuple[pa.Table, pa.Table]:
+    """:func:`normalize_episode` on dataset tables (trajectory and step files), vectorized.
+
+    The same formulas in float64, so the same numbers: for writers that
+    normalize after the rows are built (no Episode, texts and all, has to be
+    kept for it). Sets ``group_advantage``/``normalized_return`` of complete
+    trajectories and ``normalized_advantage``/``group_advantage`` of their
+    steps; incomplete trajectories keep theirs (0). ``domain`` stands in for
+    the ``domain`` column of files that have it as a hive partition key.
+
+    Examples:
+        >>> t = pa.table({"episode_id": ["a", "b"], "domain": ["d", "d"], "task_group": ["g", "g"],
+        ...               "complete": [True, True], "episode_return": [1.0, 0.0],
+        ...               "group_advantage": [0.0, 0.0], "normalized_return": [0.0, 0.0]})
+        >>> s = pa.table({"episode_id": ["a", "b"], "domain": ["d", "d"], "advantage": [1.0, 0.0],
+        ...               "normalized_advantage": [0.0, 0.0], "group_advantage": [0.0, 0.0]})
+        >>> st = {"advantage/d": RunningStats.of([1.0, 0.0]), "return/d": RunningStats.of([1.0, 0.0]),
+        ...       "group/g": RunningStats.of([1.0, 0.0])}
+        >>> t2, s2 = normalize_tables(t, s, st, mode="domain", eps=0.0)
+        >>> s2["normalized_advantage"].to_pylist(), t2["group_advantage"].to_pylist()
+        ([1.0, -1.0], [1.0, -1.0])
     """
-    if not traj.complete:
-        return traj, steps
-    adv = stats.get(f"advantage/{traj.domain}", RunningStats())
-    ret = stats.get(f"return/{traj.domain}", RunningStats())
-    grp = stats.get(f"group/{traj.task_group}", RunningStats())
-    R = traj.episode_return
-    group_adv = float((R - grp.mean) / (grp.std + eps))
-    A = np.array([s.advantage for s in steps], dtype=np.float64)
+    complete = trajs["complete"].to_numpy(zero_copy_only=False).astype(bool)
+    R = trajs["episode_return"].to_numpy(zero_copy_only=False).astype(np.float64)
+    g_mean, g_std = _lookup(stats, "group", trajs["task_group"])
+    r_mean, r_std = _lookup(stats, "return", _column(trajs, "domain", domain))
+    group_adv = np.where(complete, (R - g_mean) / (g_std + eps),
+                         trajs["group_advantage"].to_numpy(zero_copy_only=False))
+    norm_ret = np.where(complete, (R - r_mean) / (r_std + eps),
+                        trajs["normalized_return"].to_numpy(zero_copy_only=False))
+    trajs = _set(trajs, "group_advantage", group_adv)
+    trajs = _set(trajs, "normalized_return", norm_ret)
+    if steps.num_rows == 0:
+        return trajs, steps
+    # Steps of incomplete trajectories are never written; every step has its (complete) trajectory.
+    of_traj = pc.index_in(steps["episode_id"], value_set=trajs["episode_id"]).to_numpy(zero_copy_only=False)
+    A = steps["advantage"].to_numpy(zero_copy_only=False).astype(np.float64)
+    step_group_adv = group_adv[of_traj]
     if mode == "domain":
-        adv_norm = (A - adv.mean) / (adv.std + eps)
+        a_mean, a_std = _lookup(stats, "advantage", _column(steps, "domain", domain))
+        adv_norm = (A - a_mean) / (a_std + eps)
     elif mode == "group":
-        adv_norm = np.full(len(A), group_adv)
+        adv_norm = step_group_adv
     else:
         adv_norm = A
-    steps = [msgspec.structs.replace(s, normalized_advantage=float(a), group_advantage=group_adv)
-             for s, a in zip(steps, adv_norm)]
-    traj = msgspec.structs.replace(traj, group_advantage=group_adv,
-                                   normalized_return=float((R - ret.mean) / (ret.std + eps)))
-    return traj, steps
+    steps = _set(steps, "normalized_advantage", adv_norm)
+    steps = _set(steps, "group_advantage", step_group_adv)
+    return trajs, steps
+
+
+def _column(table: pa.Table, name: str, constant: str | None) -> pa.ChunkedArray | pa.Array:
+    if name in table.column_names:
+        return table[name]
+    if constant is None:
+        raise ValueError(f"table has no `{name}` column and no constant `{name}` was given")
+    return pa.array([constant] * table.num_rows, type=pa.string())
+
+
+def _set(table: pa.Table, name: str, values: np.ndarray) -> pa.Table:
+    i = table.schema.get_field_index(name)
+    return table.set_column(i, table.schema.field(i), pa.array(values, type=table.schema.field(i).type))
 
 
 class _NormalizeFn(beam.DoFn):
@@ -227,14 +279,28 @@ class _NormalizeFn(beam.DoFn):
         yield normalize_episode(episode, stats, mode=self._mode, eps=self._eps)
 
 
+def _merge_stats(stats: Iterable[RunningStats]) -> RunningStats:
+    out = RunningStats()
+    for st in stats:
+        out = out.merge(st)
+    return out
+
+
 class ComputeNormStats(beam.PTransform):
     """Episodes → ``(key, RunningStats)`` of this run (families ``advantage``, ``return``, ``group``).
 
     Only the advantages and the return of each episode go into the combine (a
     slim projection), so the episodes themselves are never re-encoded for it.
+    Input may also be a tuple of episode PCollections (branches of one job):
+    each is combined where it is, and only the per-key statistics are merged.
     """
 
     def expand(self, episodes):
+        if isinstance(episodes, (tuple, list)):
+            parts = tuple(e | f"Branch{i}" >> ComputeNormStats() for i, e in enumerate(episodes))
+            if len(parts) == 1:
+                return parts[0]
+            return parts | "AllBranches" >> beam.Flatten() | "MergeBranches" >> beam.CombinePerKey(_merge_stats)
         return (
             episodes
             | "StatInputs" >> beam.FlatMap(_stat_inputs)

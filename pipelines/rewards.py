@@ -29,10 +29,11 @@ __all__ = ["ComputeProcessRewards", "step_scores", "annotate_rewards"]
 def step_scores(verdicts: list[list[Verification]], weights: Mapping[str, float]) -> np.ndarray:
     """``s_t``: weighted mean score of each step's verdicts (weight 1 unless named; 0 if none)."""
     out = np.zeros(len(verdicts), dtype=np.float64)
-    for t, vs in enumerate(verdicts):
-        w = np.array([weights.get(v.verifier, 1.0) for v in vs], dtype=np.float64)
-        if len(w) and w.sum() > 0:
-            out[t] = float(np.dot(w, [v.score for v in vs]) / w.sum())
+    for t, vs in enumerate(verdicts):  # a handful of verdicts per step: plain Python beats numpy here
+        w = [weights.get(v.verifier, 1.0) for v in vs] if weights else [1.0] * len(vs)
+        total = sum(w)
+        if total > 0:
+            out[t] = sum(wi * v.score for wi, v in zip(w, vs)) / total
     return out
 
 

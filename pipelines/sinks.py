@@ -14,20 +14,24 @@ Examples:
 
 from __future__ import annotations
 
+import uuid
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any, Tuple
 
 import apache_beam as beam
 import msgspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.feather as feather
 import pyarrow.parquet as pq
 from apache_beam.metrics import Metrics
+from apache_beam.transforms.window import GlobalWindow
+from apache_beam.utils.windowed_value import WindowedValue
 
-from pipelines.normalize import NormState, RunningStats, normalize_rows
+from pipelines.normalize import NormState, RunningStats, normalize_tables
 from pipelines.recipes import Recipe
 from pipelines.types import METRICS_NAMESPACE, Episode
 from schemas.arrow import arrow_schema_for, events_to_table
@@ -36,6 +40,7 @@ from schemas.deadletter import DeadLetter
 
 __all__ = [
     "WriteDatasets",
+    "write_shard",
     "episode_rows",
     "rows_to_table",
     "final_path",
@@ -66,6 +71,16 @@ def incomplete_path(*, version: str, domain: str, commit: int) -> str:
     return f"trajectories/recipe={version}/domain={domain}/c{commit:08d}-incomplete.parquet"
 
 
+_LAST_RECIPE: list[Any] = [None, ("", "")]
+
+
+def _recipe_ids(recipe: Recipe) -> tuple[str, str]:
+    """``(version, content_hash)``, remembered for the last recipe object (a sha256 per episode adds up)."""
+    if _LAST_RECIPE[0] is not recipe:
+        _LAST_RECIPE[:] = [recipe, (recipe.version, recipe.content_hash)]
+    return _LAST_RECIPE[1]
+
+
 def _verified(verdicts) -> bool:
     return all(v.passed for v in verdicts)
 
@@ -76,7 +91,7 @@ def episode_rows(episode: Episode, recipe: Recipe) -> tuple[TrajectoryRow, list[
     An episode not normalized yet gets ``normalized_advantage``/``group_advantage``
     0 (:func:`pipelines.normalize.normalize_rows` fills them in).
     """
-    version, h = recipe.version, recipe.content_hash
+    version, h = _recipe_ids(recipe)
     norm = episode.normalized_advantages
     fin, started = episode.finished, episode.started
     status = fin.status.value if fin is not None and episode.complete else "incomplete"
@@ -94,7 +109,7 @@ def episode_rows(episode: Episode, recipe: Recipe) -> tuple[TrajectoryRow, list[
                 return_to_go=float(episode.returns[t]), advantage=float(episode.advantages[t]),
                 normalized_advantage=float(norm[t]) if norm is not None else 0.0,
                 group_advantage=float(episode.group_advantage or 0.0), verifications=vs,
-                verification_score=float(np.mean([v.score for v in vs])) if vs else 0.0,
+                verification_score=sum([v.score for v in vs]) / len(vs) if vs else 0.0,
                 clipped=episode.clipped and t == last, event_time=s.event_time,
             ))
     traj = TrajectoryRow(
@@ -117,72 +132,153 @@ def episode_rows(episode: Episode, recipe: Recipe) -> tuple[TrajectoryRow, list[
 
 
 def rows_to_table(rows: Sequence[msgspec.Struct], schema: pa.Schema) -> pa.Table:
-    """Columnar build of a table from row structs (numpy-array fields via one concatenation)."""
-    arrays = []
-    for field in schema:
-        values = [getattr(r, field.name) for r in rows]
-        if pa.types.is_list(field.type) and values and isinstance(values[0], np.ndarray):
-            lengths = np.fromiter((len(v) for v in values), dtype=np.int32, count=len(values))
-            offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32)
-            flat = np.concatenate(values) if len(values) else np.array([])
-            child = pa.array(flat, type=field.type.value_type)
-            arrays.append(pa.ListArray.from_arrays(pa.array(offsets), child, type=field.type))
-        elif pa.types.is_list(field.type) and pa.types.is_struct(field.type.value_type):
-            arrays.append(pa.array([msgspec.to_builtins(v) for v in values], type=field.type))
+    """Columnar build of a table from row structs.
+
+    Numpy-array list fields go through one concatenation, lists of Structs
+    (``verifications``) through flat child arrays: no per-row Python objects
+    reach Arrow except scalars.
+    """
+    if not rows:
+        return schema.empty_table()
+    fields = type(rows[0]).__struct_fields__
+    by_name = dict(zip(fields, zip(*map(msgspec.structs.astuple, rows))))  # one transposition, in C
+    return pa.Table.from_arrays([_column(list(by_name[f.name]), f.type) for f in schema], schema=schema)
+
+
+def _offsets(values: Sequence[Sequence[Any]]) -> pa.Array:
+    lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
+    return pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+
+
+def _column(values: list[Any], typ: pa.DataType) -> pa.Array:
+    if pa.types.is_list(typ) and values and isinstance(values[0], np.ndarray):
+        flat = np.concatenate(values) if len(values) else np.array([])
+        return pa.ListArray.from_arrays(_offsets(values), pa.array(flat, type=typ.value_type), type=typ)
+    if pa.types.is_list(typ) and pa.types.is_struct(typ.value_type):
+        items = [v for vs in values for v in vs]
+        struct = typ.value_type
+        if items:
+            by_name = dict(zip(type(items[0]).__struct_fields__, zip(*map(msgspec.structs.astuple, items))))
+            children = [_column(list(by_name[f.name]), f.type) for f in struct]
         else:
-            arrays.append(pa.array(values, type=field.type))
-    return pa.Table.from_arrays(arrays, schema=schema)
+            children = [pa.array([], type=f.type) for f in struct]
+        child = pa.StructArray.from_arrays(children, fields=list(struct))
+        return pa.ListArray.from_arrays(_offsets(values), child, type=typ)
+    return pa.array(values, type=typ)
 
 
 def _write_parquet(table: pa.Table, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, path, compression="zstd")
+    # Dictionary pages for the scalar columns (ids, names: few distinct values); token and logprob
+    # lists are near-unique and only cost time in a dictionary.
+    scalar = [f.name for f in table.schema if not pa.types.is_list(f.type)]
+    pq.write_table(table, path, compression="zstd", use_dictionary=scalar)
 
 
-class _ToRowsFn(beam.DoFn):
-    def __init__(self, recipe: Recipe, shards: int) -> None:
-        self._recipe, self._shards = recipe, shards
+def write_shard(staging: str | Path, version: str, commit: int, domain: str, shard: int, trajs: pa.Table,
+                steps: pa.Table, *, stats: Mapping[str, RunningStats] | None, mode: str, eps: float) -> list[str]:
+    """One (domain, shard)'s rows → its staged steps and trajectories files; returns their final paths.
 
-    def process(self, episode: Episode) -> Iterator[tuple[tuple[str, int], tuple]]:
-        shard = zlib.crc32(episode.episode_id.encode()) % self._shards
-        yield (episode.domain, shard), episode_rows(episode, self._recipe)
-
-
-class _WriteShardFn(beam.DoFn):
-    """All rows of one (domain, shard) → one steps file and one trajectories file.
-
-    With ``prior`` set, complete trajectories are normalized here with
-    ``prior ⊕ run_stats`` (:func:`pipelines.normalize.normalize_rows`).
+    Rows are sorted by ``(episode_id, step_index)`` (deterministic bytes
+    whatever order they came in); with ``stats`` set they are normalized first
+    (:func:`pipelines.normalize.normalize_tables`).
     """
+    trajs = _sorted(trajs, [("episode_id", "ascending")])
+    steps = _sorted(steps, [("episode_id", "ascending"), ("step_index", "ascending")])
+    if stats is not None:
+        trajs, steps = normalize_tables(trajs, steps, stats, mode=mode, eps=eps, domain=domain)
+    out = []
+    for table, data in (("trajectories", trajs), ("steps", steps)):
+        if data.num_rows == 0:
+            continue
+        rel = final_path(table, version=version, domain=domain, commit=commit, shard=shard)
+        _write_parquet(data, Path(staging) / (rel + STAGED_SUFFIX))
+        out.append(rel)
+    return out
+
+
+def _sorted(table: pa.Table, keys: list[tuple[str, str]]) -> pa.Table:
+    """``table`` sorted by ``keys``; no copy when it already is (one part written in order)."""
+    idx = pc.sort_indices(table, sort_keys=keys).to_numpy()
+    if np.array_equal(idx, np.arange(len(idx))):
+        return table
+    return table.take(idx)
+
+
+#: Step rows a stage-rows buffer holds before it writes a part file.
+PART_ROWS = 50_000
+
+
+class _StageRowsFn(beam.DoFn):
+    """Complete episodes → un-normalized row *parts* (Arrow IPC), one per (domain, shard) per bundle.
+
+    Emits ``((domain, shard), part base path)``; the parts of a commit live
+    under ``<staging>/_parts/`` until :class:`_FinalizeShardFn` merges them.
+    Names are random: a retried bundle writes new parts, and only the parts of
+    bundles that succeeded are ever emitted.
+    """
+
+    def __init__(self, staging: str, recipe: Recipe, shards: int) -> None:
+        self._staging, self._recipe, self._shards = staging, recipe, shards
+
+    def start_bundle(self) -> None:
+        self._buf: dict[tuple[str, int], list[tuple[TrajectoryRow, list[StepRow]]]] = {}
+        self._n = 0
+
+    def process(self, episode: Episode) -> Iterator[tuple[tuple[str, int], str]]:
+        key = (episode.domain, zlib.crc32(episode.episode_id.encode()) % self._shards)
+        traj, steps = episode_rows(episode, self._recipe)
+        self._buf.setdefault(key, []).append((traj, steps))
+        self._n += len(steps) + 1
+        if self._n >= PART_ROWS:
+            yield from self._flush()
+
+    def finish_bundle(self) -> Iterator[WindowedValue]:
+        for kv in self._flush():
+            yield WindowedValue(kv, GlobalWindow().max_timestamp(), [GlobalWindow()])
+
+    def _flush(self) -> Iterator[tuple[tuple[str, int], str]]:
+        for key, per_episode in sorted(self._buf.items()):
+            per_episode.sort(key=lambda tr: tr[0].episode_id)  # parts in order: the merge rarely re-sorts
+            trajs = [tr for tr, _ in per_episode]
+            steps = [s for _, ss in per_episode for s in ss]
+            base = Path(self._staging) / "_parts" / uuid.uuid4().hex
+            base.parent.mkdir(parents=True, exist_ok=True)
+            feather.write_feather(rows_to_table(trajs, trajectory_file_schema()), f"{base}.trajectories.arrow",
+                                  compression="uncompressed")
+            feather.write_feather(rows_to_table(steps, step_file_schema()), f"{base}.steps.arrow",
+                                  compression="uncompressed")
+            yield key, str(base)
+        self._buf, self._n = {}, 0
+
+
+class _FinalizeShardFn(beam.DoFn):
+    """The parts of one (domain, shard) → its staged, normalized files (``prior ⊕ run_stats``)."""
 
     def __init__(self, staging: str, version: str, commit: int, *, mode: str = "none", eps: float = 1e-6,
                  prior: Mapping[str, RunningStats] | None = None) -> None:
         self._staging, self._version, self._commit = staging, version, commit
         self._mode, self._eps = mode, eps
-        self._prior = dict(prior) if prior is not None else None
+        self._prior = dict(prior or {})
         self._steps = Metrics.counter(METRICS_NAMESPACE, "steps_written")
         self._trajs = Metrics.counter(METRICS_NAMESPACE, "trajectories_written")
         self._normalized = Metrics.counter(METRICS_NAMESPACE, "episodes_normalized")
 
-    def process(self, element: tuple[tuple[str, int], Iterable[tuple]],
-                run_stats: Mapping[str, RunningStats] | None = None) -> Iterator[str]:
-        (domain, shard), per_episode = element
-        per_episode = sorted(per_episode, key=lambda tr: tr[0].episode_id)
-        if self._prior is not None:
-            stats = NormState(recipe_hash="", stats=self._prior).merged(run_stats or {}).stats
-            per_episode = [normalize_rows(tr, ss, stats, mode=self._mode, eps=self._eps) for tr, ss in per_episode]
-            self._normalized.inc(sum(tr.complete for tr, _ in per_episode))
-        trajs = [tr for tr, _ in per_episode]
-        steps = [s for _, ss in per_episode for s in ss]
-        for table, rows, schema in (("trajectories", trajs, trajectory_file_schema()),
-                                    ("steps", steps, step_file_schema())):
-            if not rows:
-                continue
-            rel = final_path(table, version=self._version, domain=domain, commit=self._commit, shard=shard)
-            _write_parquet(rows_to_table(rows, schema), Path(self._staging) / (rel + STAGED_SUFFIX))
-            yield rel
-        self._steps.inc(len(steps))
-        self._trajs.inc(len(trajs))
+    def process(self, element: tuple[tuple[str, int], Iterable[str]],
+                run_stats: Mapping[str, RunningStats]) -> Iterator[str]:
+        (domain, shard), bases = element
+        bases = sorted(bases)
+        trajs = pa.concat_tables([feather.read_table(f"{b}.trajectories.arrow", memory_map=True) for b in bases])
+        steps = pa.concat_tables([feather.read_table(f"{b}.steps.arrow", memory_map=True) for b in bases])
+        stats = NormState(recipe_hash="", stats=self._prior).merged(run_stats).stats
+        yield from write_shard(self._staging, self._version, self._commit, domain, shard, trajs, steps,
+                               stats=stats, mode=self._mode, eps=self._eps)
+        for b in bases:
+            for table in ("trajectories", "steps"):
+                Path(f"{b}.{table}.arrow").unlink(missing_ok=True)
+        self._steps.inc(steps.num_rows)
+        self._trajs.inc(trajs.num_rows)
+        self._normalized.inc(trajs.num_rows)
 
 
 def _write_incomplete(trajs: list[TrajectoryRow], staging: str, version: str, commit: int) -> Iterator[str]:
@@ -258,9 +354,13 @@ def stage_files(
     for episode in (e for e in episodes if e.complete):
         shard = zlib.crc32(episode.episode_id.encode()) % shards
         by_shard.setdefault((episode.domain, shard), []).append(episode_rows(episode, recipe))
-    writer = _WriteShardFn(str(staging), recipe.version, commit, mode=recipe.normalization, eps=recipe.eps,
-                           prior=prior or {})
-    files = [rel for key in sorted(by_shard) for rel in writer.process((key, by_shard[key]), dict(stats or {}))]
+    merged = NormState(recipe_hash="", stats=dict(prior or {})).merged(dict(stats or {})).stats
+    files = []
+    for (domain, shard), per_episode in sorted(by_shard.items()):
+        trajs = rows_to_table([tr for tr, _ in per_episode], trajectory_file_schema())
+        steps = rows_to_table([s for _, ss in per_episode for s in ss], step_file_schema())
+        files += write_shard(staging, recipe.version, commit, domain, shard, trajs, steps, stats=merged,
+                             mode=recipe.normalization, eps=recipe.eps)
     files += _write_incomplete(incomplete, str(staging), recipe.version, commit)
     files += _write_dead_letters(list(dead_letters), str(staging), recipe.version, commit)
     files += _write_pending(list(pending), str(staging))
@@ -272,15 +372,19 @@ class WriteDatasets(beam.PTransform):
     """Write one commit's staged files under ``staging`` (see the module docstring).
 
     Input: a dict of PCollections — ``episodes`` (complete, rewarded and
-    clipped), ``incomplete`` (Episodes with ``complete=False``), ``pending``
+    clipped; or a tuple of such PCollections, branches of one job),
+    ``incomplete`` (Episodes with ``complete=False``), ``pending``
     (``(episode_id, events)``), ``dead_letters`` (DeadLetter) and ``stats``
     (``(key, RunningStats)`` of this run, :class:`pipelines.normalize.ComputeNormStats`).
 
-    Complete episodes are normalized here, on their rows, with ``prior ⊕
-    stats`` (a side input of the shard writer, which sits after a
-    GroupByKey anyway): normalizing the episodes before would need the
-    statistics of all of them first, i.e. one more pass that encodes and
-    decodes every episode, texts and all.
+    Complete episodes become rows where they are (each bundle writes its
+    rows, un-normalized, as Arrow *part* files under ``<staging>/_parts/``);
+    a GroupByKey of the part *paths* per (domain, shard) then merges each
+    shard's parts, normalizes them with ``prior ⊕ stats`` (a side input,
+    vectorized: :func:`pipelines.normalize.normalize_tables`), sorts and
+    writes them. The rows never go through Beam's coders: normalizing the
+    episodes in the pipeline would need the statistics of all of them first,
+    i.e. one more pass that encodes and decodes every episode, tokens and all.
 
     Args:
         staging: ``<out>/_staging/<version>/<commit>``.
@@ -306,14 +410,20 @@ class WriteDatasets(beam.PTransform):
         staging, version, commit = self._staging, self._recipe.version, self._commit
         # Complete and incomplete episodes are written separately: a Flatten of the two would be one
         # more encode/decode pass of every row on FnApiRunner (it materializes multi-input Flattens).
+        branches = pcolls["episodes"]
+        branches = tuple(branches) if isinstance(branches, (tuple, list)) else (branches,)
+        parts = tuple(
+            b | f"StageRows{i or ''}" >> beam.ParDo(_StageRowsFn(staging, self._recipe, self._shards))
+            .with_output_types(Tuple[Tuple[str, int], str])
+            for i, b in enumerate(branches)
+        )
+        parts = parts[0] if len(parts) == 1 else parts | "AllParts" >> beam.Flatten()
         data_files = (
-            pcolls["episodes"]
-            | "ToRows" >> beam.ParDo(_ToRowsFn(self._recipe, self._shards)).with_output_types(
-                Tuple[Tuple[str, int], Tuple[TrajectoryRow, List[StepRow]]])
-            | "GroupByShard" >> beam.GroupByKey()
-            | "WriteShards" >> beam.ParDo(
-                _WriteShardFn(staging, version, commit, mode=self._recipe.normalization, eps=self._recipe.eps,
-                              prior=self._prior),
+            parts
+            | "GroupParts" >> beam.GroupByKey()
+            | "FinalizeShards" >> beam.ParDo(
+                _FinalizeShardFn(staging, version, commit, mode=self._recipe.normalization, eps=self._recipe.eps,
+                                 prior=self._prior),
                 run_stats=beam.pvalue.AsDict(pcolls["stats"]))
         )
         recipe = self._recipe

@@ -51,8 +51,8 @@ import msgspec
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 
-from pipelines.archive_source import ArchiveFile, ReadArchive, list_archive_files
-from pipelines.assemble import EVENT_TIME_METRIC, INCOMPLETE_TAG, PENDING_TAG, AssembleEpisodes
+from pipelines.archive_source import FRAMES_TAG, ArchiveFile, ReadArchiveEpisodes, list_archive_files, split_episode_ids
+from pipelines.assemble import EVENT_TIME_METRIC, INCOMPLETE_TAG, PENDING_TAG
 from pipelines.clip import ClipTrajectories
 from pipelines.commit import (
     DatasetLayout,
@@ -66,6 +66,7 @@ from pipelines.commit import (
     recover,
 )
 from pipelines.decode import DecodeAndValidate
+from pipelines.frames import CLOCK_TAG, UNDECIDED_TAG, AssembleEpisodesFromFrames, EventsToFrames, KeyFrames
 from pipelines.normalize import ComputeNormStats
 from pipelines.recipes import Recipe, load_recipe
 from pipelines.rewards import ComputeProcessRewards
@@ -252,31 +253,41 @@ def run_batch(
 
     runner = _make_runner(runner_name)
     p = beam.Pipeline(runner=runner, options=options or PipelineOptions())
+    # Events cross the one shuffle as their raw frames (pipelines/frames.py): decoded once, after it.
+    # Archive files hold most episodes whole: those are assembled where the file is read, no shuffle.
+    local = None
+    committed = committed_episode_ids(layout, manifests)
     if source == "archive":
-        read = p | "ReadArchive" >> ReadArchive(archive, files=files)
-    elif source == "kafka":
-        from pipelines.sources_kafka import ReadKafkaRange
-
-        read = (p | "ReadKafka" >> ReadKafkaRange(kafka["conn"], kafka["topic"], ranges)
-                | "DecodeAndValidate" >> DecodeAndValidate())
+        pending_ids = _pending_ids(pending_path)
+        read = p | "ReadArchive" >> ReadArchiveEpisodes(
+            archive, files=files, split=split_episode_ids(files, also=pending_ids), already_emitted=committed)
+        local, frames = read, read[FRAMES_TAG]
     else:
-        read = (p | "RawRecords" >> beam.Create(list(raw_records), reshuffle=False)
-                | "DecodeAndValidate" >> DecodeAndValidate())
-    fragments = read.fragments
-    if pending_path:  # a Flatten is one more encode/decode pass of every event on FnApiRunner: only if needed
+        if source == "kafka":
+            from pipelines.sources_kafka import ReadKafkaRange
+
+            batches = p | "ReadKafka" >> ReadKafkaRange(kafka["conn"], kafka["topic"], ranges)
+        else:
+            batches = p | "RawRecords" >> beam.Create(list(raw_records), reshuffle=False)
+        read = batches | "KeyFrames" >> KeyFrames()
+        frames = read.frames
+    if pending_path:
         pending_in = (p | "PendingFile" >> beam.Create([pending_path], reshuffle=False)
-                      | "ReadPending" >> beam.ParDo(_ReadPendingFn()).with_output_types(Tuple[str, List[Event]]))
-        fragments = (fragments, pending_in) | "AllFragments" >> beam.Flatten()
-    assembled = fragments | "AssembleEpisodes" >> AssembleEpisodes(
+                      | "ReadPending" >> beam.ParDo(_ReadPendingFn()).with_output_types(Tuple[str, List[Event]])
+                      | "PendingFrames" >> EventsToFrames())
+        frames = (frames, pending_in) | "AllFrames" >> beam.Flatten()
+    to_assemble = {"frames": frames}
+    if local is not None:
+        to_assemble.update(clock=local[CLOCK_TAG], undecided=local[UNDECIDED_TAG])
+    assembled = to_assemble | "AssembleEpisodes" >> AssembleEpisodesFromFrames(
         incomplete_after_s=incomplete_after_s, clock_floor_s=last.clock_s if last else 0.0,
-        already_emitted=committed_episode_ids(layout, manifests),
+        already_emitted=committed,
     )
-    episodes = (
-        assembled["episodes"]
-        | "VerifySteps" >> VerifySteps(use_domain_verifiers=use_domain_verifiers)
-        | "ComputeProcessRewards" >> ComputeProcessRewards(recipe)
-        | "ClipTrajectories" >> ClipTrajectories(max_steps=recipe.max_steps,
-                                                 max_action_tokens=recipe.max_action_tokens, gamma=recipe.gamma)
+    # One chain per branch: a Flatten of Episodes would encode and decode every one of them.
+    branches = [assembled["episodes"]] + ([local.episodes] if local is not None else [])
+    episodes = tuple(
+        b | f"Process{'Local' if i else ''}" >> ProcessEpisodes(recipe, use_domain_verifiers=use_domain_verifiers)
+        for i, b in enumerate(branches)
     )
     # Domain normalization: statistics here, applied to the rows by the writer (prior ⊕ run).
     stats = episodes | "ComputeNormStats" >> ComputeNormStats()
@@ -292,6 +303,32 @@ def run_batch(
     manifest.clock_s = max(last.clock_s if last else 0.0, clock_ms / 1000.0)
     commit_staged(layout, manifest, prior_norm=prior, crash_at=crash_at)
     return counts
+
+
+class ProcessEpisodes(beam.PTransform):
+    """verify → process rewards → clip: what happens to every assembled episode, in both modes."""
+
+    def __init__(self, recipe: Recipe, *, use_domain_verifiers: bool = True) -> None:
+        super().__init__()
+        self._recipe, self._use_domain = recipe, use_domain_verifiers
+
+    def expand(self, episodes):
+        recipe = self._recipe
+        return (
+            episodes
+            | "VerifySteps" >> VerifySteps(use_domain_verifiers=self._use_domain)
+            | "ComputeProcessRewards" >> ComputeProcessRewards(recipe)
+            | "ClipTrajectories" >> ClipTrajectories(max_steps=recipe.max_steps,
+                                                     max_action_tokens=recipe.max_action_tokens, gamma=recipe.gamma)
+        )
+
+
+def _pending_ids(path: str | None) -> list[str]:
+    if not path:
+        return []
+    import pyarrow.feather as feather
+
+    return feather.read_table(path, columns=["episode_id"]).column(0).unique().to_pylist()
 
 
 class _SkipCommittedFn(beam.DoFn):
@@ -409,13 +446,7 @@ def run_stream(
         | "AssembleEpisodes" >> AssembleEpisodesStreaming(incomplete_after_s=incomplete_after_s,
                                                          end_of_input_s=end_of_input_s)
     )
-    episodes = (
-        assembled.episodes
-        | "VerifySteps" >> VerifySteps(use_domain_verifiers=use_domain_verifiers)
-        | "ComputeProcessRewards" >> ComputeProcessRewards(recipe)
-        | "ClipTrajectories" >> ClipTrajectories(max_steps=recipe.max_steps,
-                                                 max_action_tokens=recipe.max_action_tokens, gamma=recipe.gamma)
-    )
+    episodes = assembled.episodes | "Process" >> ProcessEpisodes(recipe, use_domain_verifiers=use_domain_verifiers)
     dead = (decoded[DEAD_LETTER_TAG], assembled[DEAD_LETTER_TAG]) | "AllDeadLetters" >> beam.Flatten()
     _ = {
         "episodes": episodes, "incomplete": assembled[INCOMPLETE_TAG], "dead_letters": dead,

@@ -26,7 +26,6 @@ Examples:
 from __future__ import annotations
 
 import ast
-import json
 import math
 from typing import Any, Callable
 
@@ -138,8 +137,8 @@ def _doc(value: Any) -> dict:
     if isinstance(value, dict):
         return value
     try:
-        out = json.loads(value)
-    except (TypeError, ValueError):
+        out = msgspec.json.decode(value)
+    except (TypeError, ValueError, msgspec.DecodeError):
         return {}
     return out if isinstance(out, dict) else {}
 

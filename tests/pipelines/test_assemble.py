@@ -1,10 +1,11 @@
-"""DedupeEvents + AssembleEpisodes (batch) and the streaming stateful twin."""
+"""Batch assembly on frames (AssembleEpisodesFromFrames) and the streaming stateful twin."""
 
 import apache_beam as beam
 import msgspec
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipelines.assemble import AssembleEpisodes, AssembleEpisodesStreaming, DedupeEvents, dedupe_events
+from pipelines.assemble import AssembleEpisodesStreaming, dedupe_events
+from pipelines.frames import AssembleEpisodesFromFrames, EventsToFrames
 from tests.pipelines.helpers import episodes, make_pipeline
 
 
@@ -16,12 +17,13 @@ def test_dedupe_counts_copies_and_conflicts():
     assert [c.event_id for c in conflicts] == ["not-canonical"]
 
 
-def test_dedupe_transform():
+def test_frames_from_several_fragments_dedupe():
     ep = episodes(1)[0]
     with make_pipeline() as p:
-        out = (p | beam.Create([(ep[0].episode_id, [ep[:3], ep[1:]])]) | DedupeEvents())
-        assert_that(out.episodes | beam.Map(lambda kv: (kv[0], [e.seq for e in kv[1]])),
-                    equal_to([(ep[0].episode_id, [e.seq for e in ep])]))
+        out = (p | beam.Create([(ep[0].episode_id, ep[:3]), (ep[0].episode_id, ep[1:])]) | EventsToFrames()
+               | AssembleEpisodesFromFrames())
+        assert_that(out["episodes"] | beam.Map(lambda e: (e.episode_id, e.num_events)),
+                    equal_to([(ep[0].episode_id, len(ep))]))
 
 
 def test_complete_pending_incomplete_and_gap():
@@ -32,7 +34,8 @@ def test_complete_pending_incomplete_and_gap():
     frags = [(a[0].episode_id, a[:4]), (a[0].episode_id, a[3:]), (b[0].episode_id, b[:-1]),
              (c[0].episode_id, c[:-1]), (d[0].episode_id, d[:2] + d[3:])]
     with make_pipeline() as p:
-        out = p | beam.Create(frags) | AssembleEpisodes(incomplete_after_s=0.5, clock_floor_s=0)
+        out = p | beam.Create(frags) | EventsToFrames() | AssembleEpisodesFromFrames(incomplete_after_s=0.5,
+                                                                                     clock_floor_s=0)
         assert_that(out["episodes"] | beam.Map(lambda e: (e.episode_id, e.complete, len(e.steps), e.num_events)),
                     equal_to([(a[0].episode_id, True, a[-1].num_steps, len(a))]), label="complete")
         assert_that(out["pending"] | beam.Map(lambda kv: kv[0]), equal_to([b[0].episode_id]), label="pending")

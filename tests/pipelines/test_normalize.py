@@ -48,17 +48,22 @@ def test_transform_merges_prior_statistics():
                     label="stats")
 
 
-def test_normalize_rows_matches_normalize_episode():
-    from pipelines.normalize import normalize_rows
-    from pipelines.sinks import episode_rows
+def test_normalize_tables_matches_normalize_episode():
+    from pipelines.normalize import normalize_tables
+    from pipelines.sinks import episode_rows, rows_to_table
+    from schemas.datasets import step_file_schema, trajectory_file_schema
 
     rec = Recipe(name="o", eps=1e-6)
     x = annotate_rewards(make_episode("x", outcome=1.0, n_steps=3), rec)
+    y = annotate_rewards(make_episode("y", outcome=0.0, n_steps=2), rec)
     stats = {"advantage/math": RunningStats.of([1, 1, 1, 0, 0]), "return/math": RunningStats.of([1.0, 0.0]),
              "group/g": RunningStats.of([1.0, 0.0])}
     for mode in ("domain", "group", "none"):
-        want_traj, want_steps = episode_rows(normalize_episode(x, stats, mode=mode, eps=rec.eps), rec)
-        got_traj, got_steps = normalize_rows(*episode_rows(x, rec), stats, mode=mode, eps=rec.eps)
-        assert got_traj == want_traj and len(got_steps) == len(want_steps)
-        for g, w in zip(got_steps, want_steps):
-            assert (g.normalized_advantage, g.group_advantage) == (w.normalized_advantage, w.group_advantage)
+        want = [episode_rows(normalize_episode(e, stats, mode=mode, eps=rec.eps), rec) for e in (x, y)]
+        rows = [episode_rows(e, rec) for e in (x, y)]
+        trajs = rows_to_table([t for t, _ in rows], trajectory_file_schema())
+        steps = rows_to_table([s for _, ss in rows for s in ss], step_file_schema())
+        got_t, got_s = normalize_tables(trajs, steps, stats, mode=mode, eps=rec.eps, domain="math")
+        assert got_t.to_pylist() == rows_to_table([t for t, _ in want], trajectory_file_schema()).to_pylist()
+        assert got_s.to_pylist() == rows_to_table([s for _, ss in want for s in ss], step_file_schema()).to_pylist()
+        assert got_s["normalized_advantage"].to_pylist() != steps["normalized_advantage"].to_pylist()

@@ -196,3 +196,18 @@ def test_covered_offsets_is_the_largest_end_per_partition():
     assert covered_offsets([m(1, {0: [0, 49]}), m(2, {0: [49, 68], 1: [71, 146]}), m(3, {1: [0, 71]})], "t") \
         == {0: 68, 1: 146}
     assert covered_offsets([m(1, {0: [0, 5]})], "other") == {}
+
+
+def test_unkeyed_records_are_assembled_by_their_episode_id(tmp_path):
+    """Records without a Kafka key are decoded early to find their episode (or dead-lettered)."""
+    eps = episodes(4, seed=9)
+    values = [encode_event(e) for e in flat(eps)]
+    keys = [None if i % 3 == 0 else e.episode_id.encode() for i, e in enumerate(flat(eps))]
+    batch = RawRecords(topic="trajpipe.events", partition=0, offsets=list(range(len(values) + 1)),
+                       keys=keys + [None], values=values + [b"\x00garbage frame"],
+                       timestamps_ms=[0] * (len(values) + 1))
+    out = tmp_path / "out"
+    c = run_batch(out=out, recipe=load_recipe("outcome"), source="raw", raw_records=[batch])
+    assert (c["episodes"], c["dead_letters"], c["events_used"]) == (4, 1, len(values)) and _reconciles(c)
+    assert _sql(f"select reason, source_offset from read_parquet('{out}/dead_letters/**/*.parquet')") == [
+        ("bad_magic", len(values))]

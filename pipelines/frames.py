@@ -1,0 +1,330 @@
+"""Batch assembly on raw frames: the events cross the GroupByKey as the bytes they arrived as.
+
+The batch job's one shuffle groups the events of an episode. Decoding them
+first and shuffling Python objects costs an encode and a decode per event on
+top of the read (and the runner re-encodes whatever crosses a stage boundary);
+instead the read side only *keys* each Kafka record by its record key (the
+producer keys events by ``episode_id``) and packs the frames of one episode
+per batch into one bytes value, :class:`FrameBlob` (BytesCoder: a copy, no
+per-event work). After the GroupByKey, :class:`AssembleFromFrames` decodes
+every frame once, validates it (dead letters keep their source position),
+drops episodes an earlier commit emitted, dedupes, and builds the
+:class:`~pipelines.types.Episode` — fused with the verify → rewards → clip
+transforms that follow, so an event is decoded exactly once on its way to
+Parquet.
+
+Whether an episode is complete does not depend on the run's clock, so
+complete episodes go straight on; only unfinished or gapped ones (few) wait
+for the clock side input to be decided ``pending`` or ``incomplete``.
+
+Examples:
+    >>> blob = FrameBlob(topic="t", partitions=[0], offsets=[7], timestamps_ms=[1], keys=[b"ep"], frames=[b"x"])
+    >>> FrameBlob.decode(blob.encode()) == blob
+    True
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from typing import Any, Tuple
+
+import apache_beam as beam
+import msgspec
+from apache_beam.metrics import Metrics
+
+from pipelines.assemble import (
+    EVENT_TIME_METRIC,
+    INCOMPLETE_TAG,
+    PENDING_TAG,
+    _conflict_letter,
+    _DecideFn,
+    _status,
+    assemble_episode,
+    dedupe_events,
+)
+from pipelines.decode import DETECTED_BY, validate_event
+from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE, Episode, RawRecords
+from schemas.codec import EventDecodeError, decode_event, encode_event
+from schemas.deadletter import DeadLetter
+from schemas.events import Event
+
+__all__ = [
+    "FrameBlob",
+    "KeyFrames",
+    "EventsToFrames",
+    "to_frames",
+    "AssembleFromFrames",
+    "AssembleEpisodesFromFrames",
+    "EpisodeAssembler",
+    "UNDECIDED_TAG",
+    "CLOCK_TAG",
+]
+
+UNDECIDED_TAG = "undecided"
+CLOCK_TAG = "clock"
+
+
+class FrameBlob(msgspec.Struct, array_like=True, frozen=True):
+    """The raw frames of one episode from one batch, with their source positions.
+
+    All lists have one entry per frame. ``partitions``/``offsets`` are -1 where
+    unknown (an archive row without its Kafka position).
+    """
+
+    topic: str
+    partitions: list[int]
+    offsets: list[int]
+    timestamps_ms: list[int]
+    keys: list[bytes | None]
+    frames: list[bytes]
+
+    def encode(self) -> bytes:
+        return _ENCODER.encode(self)
+
+    @staticmethod
+    def decode(data: bytes) -> "FrameBlob":
+        return _DECODER.decode(data)
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(FrameBlob)
+
+
+def _dead_letter(topic: str, partition: int, offset: int, ts: int, key: bytes | None, value: bytes | None,
+                 reason: str, message: str, event_type: str | None) -> DeadLetter:
+    return DeadLetter(
+        reason=reason, message=message, source_topic=topic, source_partition=partition, source_offset=offset,
+        key=key, value=value, detected_by=DETECTED_BY, source_timestamp_ms=ts, event_type=event_type,
+    )
+
+
+class _KeyFramesFn(beam.DoFn):
+    """RawRecords → ``(episode key, FrameBlob bytes)`` per key; unkeyed records are decoded for their id."""
+
+    def __init__(self, max_event_bytes: int) -> None:
+        self._max = max_event_bytes
+        self._events_in = Metrics.counter(METRICS_NAMESPACE, "events_in")
+        self._dead = Metrics.counter(METRICS_NAMESPACE, "dead_letters")
+        self._batches = Metrics.counter(METRICS_NAMESPACE, "batches_in")
+
+    def process(self, batch: RawRecords) -> Iterator[Any]:
+        groups: dict[str, tuple[list, list, list, list]] = defaultdict(lambda: ([], [], [], []))
+        for offset, key, value, ts in zip(batch.offsets, batch.keys, batch.values, batch.timestamps_ms):
+            if key is not None and value is not None:
+                group = key.decode("utf-8", "replace")
+            else:  # no key (or no value): decode now to find the episode, or quarantine
+                try:
+                    if value is None:
+                        raise EventDecodeError("null_value", "record has no value (a tombstone?)")
+                    group = decode_event(value, max_bytes=self._max).episode_id
+                except EventDecodeError as err:
+                    self._dead.inc()
+                    yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, _dead_letter(
+                        batch.topic, batch.partition, offset, ts, key, value, err.reason, str(err), err.event_type))
+                    continue
+            offs, tss, keys, frames = groups[group]
+            offs.append(offset)
+            tss.append(ts)
+            keys.append(key)
+            frames.append(value)
+        self._batches.inc()
+        self._events_in.inc(len(batch))
+        p = batch.partition
+        for group, (offs, tss, keys, frames) in groups.items():
+            yield group, FrameBlob(topic=batch.topic, partitions=[p] * len(offs), offsets=offs, timestamps_ms=tss,
+                                   keys=keys, frames=frames).encode()
+
+
+class KeyFrames(beam.PTransform):
+    """Kafka :class:`~pipelines.types.RawRecords` → ``(episode_id, FrameBlob bytes)``, one per episode per batch.
+
+    No decoding (records are keyed by ``episode_id``); a record without a key
+    is decoded to find its episode, and one that does not decode goes to
+    ``dead_letters``. Counters ``pipeline/events_in``, ``pipeline/batches_in``.
+
+    Returns:
+        A ``DoOutputsTuple`` with ``frames`` and ``dead_letters``.
+    """
+
+    def __init__(self, *, max_event_bytes: int = 1 << 20) -> None:
+        super().__init__()
+        self._max = max_event_bytes
+
+    def expand(self, batches):
+        return batches | "KeyFrames" >> beam.ParDo(_KeyFramesFn(self._max)).with_output_types(
+            Tuple[str, bytes]).with_outputs(DEAD_LETTER_TAG, main="frames")
+
+
+def to_frames(fragment: tuple[str, list[Event]], topic: str) -> tuple[str, bytes]:
+    """``(episode_id, events)`` → ``(episode_id, FrameBlob bytes)`` (positions unknown: -1)."""
+    episode_id, events = fragment
+    n = len(events)
+    return episode_id, FrameBlob(
+        topic=topic, partitions=[-1] * n, offsets=[-1] * n, timestamps_ms=[0] * n, keys=[None] * n,
+        frames=[encode_event(e, max_bytes=1 << 30) for e in events]).encode()
+
+
+class EventsToFrames(beam.PTransform):
+    """Decoded fragments ``(episode_id, list[Event])`` (archive files, pending state) → frame blobs."""
+
+    def __init__(self, topic: str = "") -> None:
+        super().__init__()
+        self._topic = topic
+
+    def expand(self, fragments):
+        return fragments | "Encode" >> beam.Map(to_frames, self._topic).with_output_types(Tuple[str, bytes])
+
+
+class EpisodeAssembler:
+    """The per-episode end of batch assembly, shared by the shuffle and the local (archive) paths.
+
+    Called with one episode's valid events (any order, maybe repeated), it
+    yields: the episode's latest event time on ``clock``; nothing more if an
+    earlier commit emitted the episode (all its events are duplicates);
+    ``seq_conflict`` dead letters; then the complete
+    :class:`~pipelines.types.Episode` (main output) or ``(episode_id, unique
+    events)`` on ``undecided``. Keeps the job's counters.
+    """
+
+    def __init__(self, already_emitted: frozenset[str]) -> None:
+        self._already = already_emitted
+        self._c = {k: Metrics.counter(METRICS_NAMESPACE, k)
+                   for k in ("dead_letters", "duplicates", "events_used", "episodes_complete")}
+        self._event_time = Metrics.distribution(METRICS_NAMESPACE, EVENT_TIME_METRIC)
+
+    def __call__(self, episode_id: str, events: list[Event]) -> Iterator[Any]:
+        if not events:
+            return
+        latest = max(e.event_time for e in events).timestamp()
+        self._event_time.update(int(latest * 1000))
+        yield beam.pvalue.TaggedOutput(CLOCK_TAG, latest)
+        if episode_id in self._already:  # re-delivered events of an episode an earlier commit emitted
+            self._c["duplicates"].inc(len(events))
+            return
+        unique, dups, conflicts = dedupe_events(events)
+        if dups:
+            self._c["duplicates"].inc(dups)
+        if conflicts:
+            self._c["dead_letters"].inc(len(conflicts))
+            for ev in conflicts:
+                yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, _conflict_letter(ev))
+        complete, _ = _status(unique)
+        if complete:
+            self._c["events_used"].inc(len(unique))
+            self._c["episodes_complete"].inc()
+            yield assemble_episode(episode_id, unique, complete=True, reason=None)
+        else:
+            yield beam.pvalue.TaggedOutput(UNDECIDED_TAG, (episode_id, unique))
+
+
+class _AssembleFromFramesFn(beam.DoFn):
+    def __init__(self, already_emitted: frozenset[str], max_event_bytes: int) -> None:
+        self._assemble = EpisodeAssembler(already_emitted)
+        self._max = max_event_bytes
+        self._dead = Metrics.counter(METRICS_NAMESPACE, "dead_letters")
+
+    def process(self, element: tuple[str, Iterable[bytes]]) -> Iterator[Any]:
+        episode_id, blobs = element
+        key_bytes = episode_id.encode()
+        events: list[Event] = []
+        dead = 0
+        for raw in blobs:
+            blob = FrameBlob.decode(raw)
+            for p, off, ts, key, frame in zip(blob.partitions, blob.offsets, blob.timestamps_ms, blob.keys,
+                                              blob.frames):
+                try:
+                    ev = decode_event(frame, max_bytes=self._max)
+                except EventDecodeError as err:
+                    dead += 1
+                    yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, _dead_letter(
+                        blob.topic, p, off, ts, key, frame, err.reason, str(err), err.event_type))
+                    continue
+                problem = validate_event(ev, key=key if key is not None else key_bytes)
+                if problem is not None:
+                    dead += 1
+                    yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, _dead_letter(
+                        blob.topic, p, off, ts, key, frame, problem[0], problem[1], ev.event_type))
+                    continue
+                events.append(ev)
+        if dead:
+            self._dead.inc(dead)
+        yield from self._assemble(episode_id, events)
+
+
+class AssembleFromFrames(beam.PTransform):
+    """Grouped frame blobs ``(episode_id, Iterable[bytes])`` → complete Episodes, undecided, clock, dead letters.
+
+    Decodes and validates each frame (decode errors and semantic problems →
+    ``dead_letters`` with the record's topic/partition/offset), drops whole
+    episodes in ``already_emitted`` as duplicates, dedupes by ``event_id``
+    (``seq_conflict`` → ``dead_letters``), and emits complete episodes as
+    :class:`~pipelines.types.Episode` on the main output; unfinished or gapped
+    ones go to ``undecided`` as ``(episode_id, events)``. ``clock`` carries
+    each episode's latest event time (epoch seconds).
+    """
+
+    def __init__(self, *, already_emitted: Iterable[str] = (), max_event_bytes: int = 1 << 20) -> None:
+        super().__init__()
+        self._already = frozenset(already_emitted)
+        self._max = max_event_bytes
+
+    def expand(self, grouped):
+        return grouped | "DecodeAssemble" >> beam.ParDo(
+            _AssembleFromFramesFn(self._already, self._max)).with_output_types(Episode).with_outputs(
+            DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG, main="episodes")
+
+
+class AssembleEpisodesFromFrames(beam.PTransform):
+    """Frame blobs → episodes: the batch counterpart of :class:`pipelines.assemble.AssembleEpisodes`.
+
+    ``GroupByKey`` by episode → :class:`AssembleFromFrames`; undecided
+    episodes are decided against the run's event-time clock
+    ``max(clock_floor_s, latest event time)`` (a side input) exactly as
+    :class:`~pipelines.assemble.AssembleEpisodes` does: ``pending`` while
+    younger than ``incomplete_after_s``, then ``incomplete``.
+
+    Input: the frames PCollection, or a dict with ``frames`` plus the outputs
+    of a local assembly that skipped the shuffle
+    (:class:`pipelines.archive_source.ReadArchiveEpisodes`): its
+    ``undecided`` and ``clock`` join the decision and the clock.
+
+    Returns:
+        ``{"episodes", "pending", "incomplete", "dead_letters"}``.
+    """
+
+    def __init__(self, *, incomplete_after_s: float = 3600.0, clock_floor_s: float = 0.0,
+                 already_emitted: Iterable[str] = ()) -> None:
+        super().__init__()
+        if incomplete_after_s < 0:
+            raise ValueError(f"`incomplete_after_s` must be >= 0, got {incomplete_after_s}")
+        self._after, self._floor = incomplete_after_s, clock_floor_s
+        self._already = frozenset(already_emitted)
+
+    def expand(self, pcolls):
+        inputs = pcolls if isinstance(pcolls, dict) else {"frames": pcolls}
+        floor = self._floor
+        assembled = (
+            inputs["frames"]
+            | "GroupByEpisode" >> beam.GroupByKey()
+            | "AssembleFromFrames" >> AssembleFromFrames(already_emitted=self._already)
+        )
+        clocks, undecided = [assembled[CLOCK_TAG]], [assembled[UNDECIDED_TAG]]
+        if "clock" in inputs:
+            clocks.append(inputs["clock"])
+            undecided.append(inputs["undecided"])
+            clocks = tuple(clocks) | "AllClocks" >> beam.Flatten()
+            undecided = tuple(undecided) | "AllUndecided" >> beam.Flatten()
+        else:
+            clocks, undecided = clocks[0], undecided[0]
+        clock = clocks | "Clock" >> beam.CombineGlobally(lambda ts: max([floor, *ts]))
+        decided = undecided | "Decide" >> beam.ParDo(
+            _DecideFn(self._after), clock_s=beam.pvalue.AsSingleton(clock)
+        ).with_output_types(Episode).with_outputs(PENDING_TAG, INCOMPLETE_TAG, main="episodes")
+        # Undecided episodes never turn out complete (completeness ignores the clock).
+        return {
+            "episodes": assembled.episodes,
+            PENDING_TAG: decided[PENDING_TAG],
+            INCOMPLETE_TAG: decided[INCOMPLETE_TAG],
+            DEAD_LETTER_TAG: assembled[DEAD_LETTER_TAG],
+        }
