@@ -41,6 +41,7 @@ import pyarrow.parquet as pq
 from apache_beam.metrics import Metrics
 
 from pipelines.decode import validate_event
+from pipelines.gcpause import gc_paused
 from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE
 from schemas.arrow import ENVELOPE_FIELDS, archive_schema, payload_fields
 from schemas.deadletter import DeadLetter
@@ -248,10 +249,12 @@ def _dec_hook(typ: type, obj: Any) -> Any:
     raise TypeError(f"Expected `{typ.__name__}`, got `{type(obj).__name__}`")
 
 
-def read_archive_file(path: str | Path, *, topic: str = "") -> tuple[list[tuple[str, list[Event]]], list[DeadLetter], int]:
+def read_archive_file(path: str | Path, *,
+                      topic: str = "") -> tuple[list[tuple[str, list[Event]]], list[DeadLetter], int]:
     """Read one archive Parquet file: (fragments, dead letters, rows read)."""
     table = pq.read_table(path)
-    frags, dead = table_to_fragments(table, topic=topic)
+    with gc_paused():
+        frags, dead = table_to_fragments(table, topic=topic)
     return frags, dead, table.num_rows
 
 
@@ -303,6 +306,9 @@ class _ReadFileLocalFn(beam.DoFn):
                 local += 1
                 yield from self._assemble(episode_id, events)
         self._local.inc(local)
+
+    def finish_bundle(self) -> Iterator[Any]:
+        yield from self._assemble.clock_output()
 
 
 class ReadArchiveEpisodes(beam.PTransform):

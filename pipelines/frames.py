@@ -32,6 +32,8 @@ from typing import Any, Tuple
 import apache_beam as beam
 import msgspec
 from apache_beam.metrics import Metrics
+from apache_beam.transforms.window import GlobalWindow
+from apache_beam.utils.windowed_value import WindowedValue
 
 from pipelines.assemble import (
     EVENT_TIME_METRIC,
@@ -180,11 +182,13 @@ class EpisodeAssembler:
     """The per-episode end of batch assembly, shared by the shuffle and the local (archive) paths.
 
     Called with one episode's valid events (any order, maybe repeated), it
-    yields: the episode's latest event time on ``clock``; nothing more if an
-    earlier commit emitted the episode (all its events are duplicates);
+    yields nothing more if an earlier commit emitted the episode (all its
+    events are duplicates);
     ``seq_conflict`` dead letters; then the complete
     :class:`~pipelines.types.Episode` (main output) or ``(episode_id, unique
-    events)`` on ``undecided``. Keeps the job's counters.
+    events)`` on ``undecided``. Keeps the job's counters, and the latest
+    event time it has seen, which the DoFn emits once per bundle on ``clock``
+    (:meth:`clock_output`, from ``finish_bundle``).
     """
 
     def __init__(self, already_emitted: frozenset[str]) -> None:
@@ -192,13 +196,22 @@ class EpisodeAssembler:
         self._c = {k: Metrics.counter(METRICS_NAMESPACE, k)
                    for k in ("dead_letters", "duplicates", "events_used", "episodes_complete")}
         self._event_time = Metrics.distribution(METRICS_NAMESPACE, EVENT_TIME_METRIC)
+        self._latest: float | None = None
+
+    def clock_output(self) -> Iterator[beam.pvalue.TaggedOutput]:
+        """The bundle's latest event time on ``clock`` (for ``finish_bundle``), then forget it."""
+        if self._latest is not None:
+            window = GlobalWindow()
+            yield beam.pvalue.TaggedOutput(CLOCK_TAG, WindowedValue(self._latest, window.max_timestamp(), [window]))
+            self._event_time.update(int(self._latest * 1000))
+        self._latest = None
 
     def __call__(self, episode_id: str, events: list[Event]) -> Iterator[Any]:
         if not events:
             return
         latest = max(e.event_time for e in events).timestamp()
-        self._event_time.update(int(latest * 1000))
-        yield beam.pvalue.TaggedOutput(CLOCK_TAG, latest)
+        if self._latest is None or latest > self._latest:
+            self._latest = latest
         if episode_id in self._already:  # re-delivered events of an episode an earlier commit emitted
             self._c["duplicates"].inc(len(events))
             return
@@ -251,6 +264,9 @@ class _AssembleFromFramesFn(beam.DoFn):
             self._dead.inc(dead)
         yield from self._assemble(episode_id, events)
 
+    def finish_bundle(self) -> Iterator[Any]:
+        yield from self._assemble.clock_output()
+
 
 class AssembleFromFrames(beam.PTransform):
     """Grouped frame blobs ``(episode_id, Iterable[bytes])`` → complete Episodes, undecided, clock, dead letters.
@@ -261,7 +277,7 @@ class AssembleFromFrames(beam.PTransform):
     (``seq_conflict`` → ``dead_letters``), and emits complete episodes as
     :class:`~pipelines.types.Episode` on the main output; unfinished or gapped
     ones go to ``undecided`` as ``(episode_id, events)``. ``clock`` carries
-    each episode's latest event time (epoch seconds).
+    each bundle's latest event time (epoch seconds).
     """
 
     def __init__(self, *, already_emitted: Iterable[str] = (), max_event_bytes: int = 1 << 20) -> None:

@@ -17,14 +17,15 @@ Three families, all persisted across micro-batches in
   ``group_advantage = (G_0 - mean_g) / (std_g + eps)`` (arXiv:2402.03300 §4.1.2),
   and ``normalization: group`` uses it as every step's ``adv_norm_t``.
 
-Within a run the statistics come from a ``CombinePerKey``
-(:class:`ComputeNormStats`), merged with the persisted ones of earlier runs,
-so every episode of one run is normalized with the same numbers; over a single
-run from empty state the domain-normalized advantages have mean 0 and std
-``std/(std+eps)`` ≈ 1. :class:`NormalizeByDomain` applies them to episodes
-(a side input); the trajectory job applies them to the dataset rows in its
-shard writer instead (:func:`normalize_tables`, same formulas, vectorized), which spares a
-pass that would re-encode every episode.
+Within a run the statistics come from a ``CombinePerKey`` (of episodes,
+:class:`ComputeNormStats`; in the trajectory job, of the partial statistics
+of each staged row part, :func:`stats_of_tables`), merged with the persisted
+ones of earlier runs, so every episode of one run is normalized with the same
+numbers; over a single run from empty state the domain-normalized advantages
+have mean 0 and std ``std/(std+eps)`` ≈ 1. :class:`NormalizeByDomain` applies
+them to episodes (a side input); the trajectory job applies them to the
+dataset rows in its shard writer instead (:func:`normalize_tables`, same
+formulas, vectorized), which spares a pass that would re-encode every episode.
 
 Examples:
     >>> a, b = RunningStats.of([1.0, 2.0]), RunningStats.of([3.0, 4.0, 5.0])
@@ -58,6 +59,8 @@ __all__ = [
     "NormalizeByDomain",
     "normalize_episode",
     "stats_of_episodes",
+    "stats_of_tables",
+    "merge_stats",
     "normalize_tables",
     "ComputeNormStats",
     "load_norm_state",
@@ -190,6 +193,28 @@ def stats_of_episodes(episodes: Iterable[Episode]) -> dict[str, RunningStats]:
     return {k: RunningStats.of(np.concatenate(vs)) for k, vs in sorted(values.items())}
 
 
+def stats_of_tables(trajs: pa.Table, steps: pa.Table, *, domain: str) -> dict[str, RunningStats]:
+    """:func:`stats_of_episodes` of complete trajectories given as dataset tables of one domain (vectorized).
+
+    Examples:
+        >>> t = pa.table({"task_group": ["g", "g", "h"], "episode_return": [1.0, 0.0, 2.0]})
+        >>> s = pa.table({"advantage": [1.0, 0.0, 1.0, 2.0]})
+        >>> st = stats_of_tables(t, s, domain="d")
+        >>> sorted(st), st["group/g"], st["return/d"].n
+        (['advantage/d', 'group/g', 'group/h', 'return/d'], RunningStats(n=2, mean=0.5, m2=0.5), 3)
+    """
+    out = {f"advantage/{domain}": RunningStats.of(steps["advantage"].to_numpy()),
+           f"return/{domain}": RunningStats.of(trajs["episode_return"].to_numpy())}
+    groups = trajs.group_by("task_group").aggregate([
+        ("episode_return", "count"), ("episode_return", "mean"),
+        ("episode_return", "variance", pc.VarianceOptions(ddof=0)),
+    ])
+    for g, n, mean, var in zip(*(groups[c].to_pylist() for c in (
+            "task_group", "episode_return_count", "episode_return_mean", "episode_return_variance"))):
+        out[f"group/{g}"] = RunningStats(n=n, mean=mean, m2=var * n)
+    return out
+
+
 def _lookup(stats: Mapping[str, RunningStats], family: str,
             keys: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """Per row, the mean and std of ``stats[f"{family}/{key}"]`` (0, 0 where absent)."""
@@ -279,7 +304,8 @@ class _NormalizeFn(beam.DoFn):
         yield normalize_episode(episode, stats, mode=self._mode, eps=self._eps)
 
 
-def _merge_stats(stats: Iterable[RunningStats]) -> RunningStats:
+def merge_stats(stats: Iterable[RunningStats]) -> RunningStats:
+    """Merge any number of statistics (a ``CombinePerKey`` callable: associative, takes its own output)."""
     out = RunningStats()
     for st in stats:
         out = out.merge(st)
@@ -291,16 +317,9 @@ class ComputeNormStats(beam.PTransform):
 
     Only the advantages and the return of each episode go into the combine (a
     slim projection), so the episodes themselves are never re-encoded for it.
-    Input may also be a tuple of episode PCollections (branches of one job):
-    each is combined where it is, and only the per-key statistics are merged.
     """
 
     def expand(self, episodes):
-        if isinstance(episodes, (tuple, list)):
-            parts = tuple(e | f"Branch{i}" >> ComputeNormStats() for i, e in enumerate(episodes))
-            if len(parts) == 1:
-                return parts[0]
-            return parts | "AllBranches" >> beam.Flatten() | "MergeBranches" >> beam.CombinePerKey(_merge_stats)
         return (
             episodes
             | "StatInputs" >> beam.FlatMap(_stat_inputs)

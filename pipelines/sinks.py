@@ -31,7 +31,8 @@ from apache_beam.metrics import Metrics
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
-from pipelines.normalize import NormState, RunningStats, normalize_tables
+from pipelines.gcpause import gc_paused
+from pipelines.normalize import STATS_TAG, NormState, RunningStats, merge_stats, normalize_tables, stats_of_tables
 from pipelines.recipes import Recipe
 from pipelines.types import METRICS_NAMESPACE, Episode
 from schemas.arrow import arrow_schema_for, events_to_table
@@ -140,9 +141,10 @@ def rows_to_table(rows: Sequence[msgspec.Struct], schema: pa.Schema) -> pa.Table
     """
     if not rows:
         return schema.empty_table()
-    fields = type(rows[0]).__struct_fields__
-    by_name = dict(zip(fields, zip(*map(msgspec.structs.astuple, rows))))  # one transposition, in C
-    return pa.Table.from_arrays([_column(list(by_name[f.name]), f.type) for f in schema], schema=schema)
+    with gc_paused():
+        fields = type(rows[0]).__struct_fields__
+        by_name = dict(zip(fields, zip(*map(msgspec.structs.astuple, rows))))  # one transposition, in C
+        return pa.Table.from_arrays([_column(list(by_name[f.name]), f.type) for f in schema], schema=schema)
 
 
 def _offsets(values: Sequence[Sequence[Any]]) -> pa.Array:
@@ -171,8 +173,9 @@ def _write_parquet(table: pa.Table, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     # Dictionary pages for the scalar columns (ids, names: few distinct values); token and logprob
     # lists are near-unique and only cost time in a dictionary.
+    # Statistics likewise: min/max of ids and numbers let readers skip row groups; of token lists they don't.
     scalar = [f.name for f in table.schema if not pa.types.is_list(f.type)]
-    pq.write_table(table, path, compression="zstd", use_dictionary=scalar)
+    pq.write_table(table, path, compression="zstd", use_dictionary=scalar, write_statistics=scalar)
 
 
 def write_shard(staging: str | Path, version: str, commit: int, domain: str, shard: int, trajs: pa.Table,
@@ -212,8 +215,10 @@ PART_ROWS = 50_000
 class _StageRowsFn(beam.DoFn):
     """Complete episodes → un-normalized row *parts* (Arrow IPC), one per (domain, shard) per bundle.
 
-    Emits ``((domain, shard), part base path)``; the parts of a commit live
-    under ``<staging>/_parts/`` until :class:`_FinalizeShardFn` merges them.
+    Emits ``((domain, shard), part base path)``, and on ``stats`` each
+    part's normalization statistics (:func:`pipelines.normalize.stats_of_tables`);
+    the parts of a commit live under ``<staging>/_parts/`` until
+    :class:`_FinalizeShardFn` merges them.
     Names are random: a retried bundle writes new parts, and only the parts of
     bundles that succeeded are ever emitted.
     """
@@ -233,21 +238,25 @@ class _StageRowsFn(beam.DoFn):
         if self._n >= PART_ROWS:
             yield from self._flush()
 
-    def finish_bundle(self) -> Iterator[WindowedValue]:
-        for kv in self._flush():
-            yield WindowedValue(kv, GlobalWindow().max_timestamp(), [GlobalWindow()])
+    def finish_bundle(self) -> Iterator[Any]:
+        window = GlobalWindow()
+        for out in self._flush():
+            if isinstance(out, beam.pvalue.TaggedOutput):
+                yield beam.pvalue.TaggedOutput(out.tag, WindowedValue(out.value, window.max_timestamp(), [window]))
+            else:
+                yield WindowedValue(out, window.max_timestamp(), [window])
 
-    def _flush(self) -> Iterator[tuple[tuple[str, int], str]]:
+    def _flush(self) -> Iterator[Any]:
         for key, per_episode in sorted(self._buf.items()):
             per_episode.sort(key=lambda tr: tr[0].episode_id)  # parts in order: the merge rarely re-sorts
-            trajs = [tr for tr, _ in per_episode]
-            steps = [s for _, ss in per_episode for s in ss]
+            trajs = rows_to_table([tr for tr, _ in per_episode], trajectory_file_schema())
+            steps = rows_to_table([s for _, ss in per_episode for s in ss], step_file_schema())
             base = Path(self._staging) / "_parts" / uuid.uuid4().hex
             base.parent.mkdir(parents=True, exist_ok=True)
-            feather.write_feather(rows_to_table(trajs, trajectory_file_schema()), f"{base}.trajectories.arrow",
-                                  compression="uncompressed")
-            feather.write_feather(rows_to_table(steps, step_file_schema()), f"{base}.steps.arrow",
-                                  compression="uncompressed")
+            feather.write_feather(trajs, f"{base}.trajectories.arrow", compression="uncompressed")
+            feather.write_feather(steps, f"{base}.steps.arrow", compression="uncompressed")
+            for kv in stats_of_tables(trajs, steps, domain=key[0]).items():
+                yield beam.pvalue.TaggedOutput(STATS_TAG, kv)
             yield key, str(base)
         self._buf, self._n = {}, 0
 
@@ -374,8 +383,8 @@ class WriteDatasets(beam.PTransform):
     Input: a dict of PCollections — ``episodes`` (complete, rewarded and
     clipped; or a tuple of such PCollections, branches of one job),
     ``incomplete`` (Episodes with ``complete=False``), ``pending``
-    (``(episode_id, events)``), ``dead_letters`` (DeadLetter) and ``stats``
-    (``(key, RunningStats)`` of this run, :class:`pipelines.normalize.ComputeNormStats`).
+    (``(episode_id, events)``) and ``dead_letters`` (DeadLetter). The run's
+    normalization statistics come from the staged parts themselves.
 
     Complete episodes become rows where they are (each bundle writes its
     rows, un-normalized, as Arrow *part* files under ``<staging>/_parts/``);
@@ -412,19 +421,24 @@ class WriteDatasets(beam.PTransform):
         # more encode/decode pass of every row on FnApiRunner (it materializes multi-input Flattens).
         branches = pcolls["episodes"]
         branches = tuple(branches) if isinstance(branches, (tuple, list)) else (branches,)
-        parts = tuple(
+        staged = [
             b | f"StageRows{i or ''}" >> beam.ParDo(_StageRowsFn(staging, self._recipe, self._shards))
-            .with_output_types(Tuple[Tuple[str, int], str])
+            .with_output_types(Tuple[Tuple[str, int], str]).with_outputs(STATS_TAG, main="parts")
             for i, b in enumerate(branches)
-        )
-        parts = parts[0] if len(parts) == 1 else parts | "AllParts" >> beam.Flatten()
+        ]
+        if len(staged) == 1:
+            parts, partial_stats = staged[0].parts, staged[0][STATS_TAG]
+        else:
+            parts = tuple(st.parts for st in staged) | "AllParts" >> beam.Flatten()
+            partial_stats = tuple(st[STATS_TAG] for st in staged) | "AllPartStats" >> beam.Flatten()
+        stats = partial_stats | "RunStats" >> beam.CombinePerKey(merge_stats)
         data_files = (
             parts
             | "GroupParts" >> beam.GroupByKey()
             | "FinalizeShards" >> beam.ParDo(
                 _FinalizeShardFn(staging, version, commit, mode=self._recipe.normalization, eps=self._recipe.eps,
                                  prior=self._prior),
-                run_stats=beam.pvalue.AsDict(pcolls["stats"]))
+                run_stats=beam.pvalue.AsDict(stats))
         )
         recipe = self._recipe
         incomplete_files = (
@@ -444,7 +458,7 @@ class WriteDatasets(beam.PTransform):
             | "WritePending" >> beam.FlatMap(_write_pending, staging)
         )
         stats_files = (
-            pcolls["stats"]
+            stats
             | "CollectStats" >> beam.combiners.ToDict()
             | "WriteStats" >> beam.FlatMap(_write_stats, staging)
         )

@@ -67,7 +67,6 @@ from pipelines.commit import (
 )
 from pipelines.decode import DecodeAndValidate
 from pipelines.frames import CLOCK_TAG, UNDECIDED_TAG, AssembleEpisodesFromFrames, EventsToFrames, KeyFrames
-from pipelines.normalize import ComputeNormStats
 from pipelines.recipes import Recipe, load_recipe
 from pipelines.rewards import ComputeProcessRewards
 from pipelines.sinks import WriteDatasets
@@ -289,12 +288,12 @@ def run_batch(
         b | f"Process{'Local' if i else ''}" >> ProcessEpisodes(recipe, use_domain_verifiers=use_domain_verifiers)
         for i, b in enumerate(branches)
     )
-    # Domain normalization: statistics here, applied to the rows by the writer (prior ⊕ run).
-    stats = episodes | "ComputeNormStats" >> ComputeNormStats()
+    # Domain normalization: the writer computes the run's statistics from its staged rows and
+    # normalizes every shard with prior ⊕ run.
     dead = (read[DEAD_LETTER_TAG], assembled[DEAD_LETTER_TAG]) | "AllDeadLetters" >> beam.Flatten()
     _ = {
         "episodes": episodes, "incomplete": assembled[INCOMPLETE_TAG],
-        "pending": assembled[PENDING_TAG], "dead_letters": dead, "stats": stats,
+        "pending": assembled[PENDING_TAG], "dead_letters": dead,
     } | "WriteDatasets" >> WriteDatasets(staging, recipe, commit=commit, shards=shards, prior=prior.stats)
     result = p.run()
     result.wait_until_finish()
