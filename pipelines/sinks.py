@@ -43,6 +43,8 @@ __all__ = [
     "WriteDatasets",
     "write_shard",
     "episode_rows",
+    "trajectory_row",
+    "RowsBuffer",
     "rows_to_table",
     "final_path",
     "incomplete_path",
@@ -86,16 +88,50 @@ def _verified(verdicts) -> bool:
     return all(v.passed for v in verdicts)
 
 
-def episode_rows(episode: Episode, recipe: Recipe) -> tuple[TrajectoryRow, list[StepRow]]:
-    """The dataset rows of an episode (no step rows for an incomplete one).
+def trajectory_row(episode: Episode, recipe: Recipe) -> TrajectoryRow:
+    """The ``trajectories/`` row of an episode (complete or not).
 
-    An episode not normalized yet gets ``normalized_advantage``/``group_advantage``
-    0 (:func:`pipelines.normalize.normalize_rows` fills them in).
+    An episode not normalized yet gets ``group_advantage``/``normalized_return``
+    0 (:func:`pipelines.normalize.normalize_tables` fills them in).
+    """
+    version, h = _recipe_ids(recipe)
+    fin, started, complete = episode.finished, episode.started, episode.complete
+    return TrajectoryRow(
+        episode_id=episode.episode_id, domain=episode.domain, recipe=version, recipe_hash=h,
+        task_id=episode.task_id, task_group=episode.task_group, policy_version=episode.policy_version,
+        difficulty=started.difficulty if started is not None else 0, status=_status(episode), complete=complete,
+        incomplete_reason=episode.incomplete_reason, num_events=episode.num_events,
+        num_steps=len(episode.steps) if complete else 0, steps_dropped=episode.steps_dropped,
+        action_tokens=sum(len(s.action_token_ids) for s in episode.steps) if complete else 0,
+        tokens_masked=episode.tokens_masked, clipped=episode.clipped,
+        outcome_reward=fin.outcome_reward if fin is not None and complete else 0.0,
+        episode_return=episode.episode_return if complete else 0.0,
+        normalized_return=episode.normalized_return if episode.normalized_return is not None else 0.0,
+        group_advantage=episode.group_advantage if episode.group_advantage is not None else 0.0,
+        verifier_summary=fin.verifier_summary if fin is not None else "",
+        steps_passed=sum(_verified(vs) for vs in episode.verdicts) if complete else 0,
+        first_event_time=episode.first_event_time, last_event_time=episode.last_event_time,
+    )
+
+
+def _status(episode: Episode) -> str:
+    return episode.finished.status.value if episode.finished is not None and episode.complete else "incomplete"
+
+
+def _verification_score(verdicts: list) -> float:
+    return sum([v.score for v in verdicts]) / len(verdicts) if verdicts else 0.0
+
+
+def episode_rows(episode: Episode, recipe: Recipe) -> tuple[TrajectoryRow, list[StepRow]]:
+    """The dataset rows of an episode, one object per row (no step rows for an incomplete one).
+
+    The definition of every column; :class:`RowsBuffer` builds the same
+    tables column-wise (tests hold the two equal). An episode not normalized
+    yet gets ``normalized_advantage``/``group_advantage`` 0.
     """
     version, h = _recipe_ids(recipe)
     norm = episode.normalized_advantages
-    fin, started = episode.finished, episode.started
-    status = fin.status.value if fin is not None and episode.complete else "incomplete"
+    status = _status(episode)
     steps: list[StepRow] = []
     if episode.complete:
         last = len(episode.steps) - 1
@@ -110,26 +146,73 @@ def episode_rows(episode: Episode, recipe: Recipe) -> tuple[TrajectoryRow, list[
                 return_to_go=float(episode.returns[t]), advantage=float(episode.advantages[t]),
                 normalized_advantage=float(norm[t]) if norm is not None else 0.0,
                 group_advantage=float(episode.group_advantage or 0.0), verifications=vs,
-                verification_score=sum([v.score for v in vs]) / len(vs) if vs else 0.0,
-                clipped=episode.clipped and t == last, event_time=s.event_time,
+                verification_score=_verification_score(vs), clipped=episode.clipped and t == last,
+                event_time=s.event_time,
             ))
-    traj = TrajectoryRow(
-        episode_id=episode.episode_id, domain=episode.domain, recipe=version, recipe_hash=h,
-        task_id=episode.task_id, task_group=episode.task_group, policy_version=episode.policy_version,
-        difficulty=started.difficulty if started is not None else 0, status=status, complete=episode.complete,
-        incomplete_reason=episode.incomplete_reason, num_events=episode.num_events,
-        num_steps=len(steps), steps_dropped=episode.steps_dropped,
-        action_tokens=sum(len(s.action_token_ids) for s in episode.steps) if episode.complete else 0,
-        tokens_masked=episode.tokens_masked, clipped=episode.clipped,
-        outcome_reward=fin.outcome_reward if fin is not None and episode.complete else 0.0,
-        episode_return=episode.episode_return if episode.complete else 0.0,
-        normalized_return=episode.normalized_return if episode.normalized_return is not None else 0.0,
-        group_advantage=episode.group_advantage if episode.group_advantage is not None else 0.0,
-        verifier_summary=fin.verifier_summary if fin is not None else "",
-        steps_passed=sum(_verified(vs) for vs in episode.verdicts) if episode.complete else 0,
-        first_event_time=episode.first_event_time, last_event_time=episode.last_event_time,
-    )
-    return traj, steps
+    return trajectory_row(episode, recipe), steps
+
+
+class RowsBuffer:
+    """Dataset rows of many episodes, kept as columns: :func:`episode_rows` without a Python object per step.
+
+    ``add`` complete or incomplete episodes in the order the rows should have,
+    then ``tables()`` gives the ``trajectories/`` and ``steps/`` file tables
+    (the schemas of :mod:`schemas.datasets`, partition keys excluded).
+    """
+
+    _LISTED = ("episode_id", "step_index", "event_id", "task_id", "task_group", "policy_version", "status",
+               "num_steps", "observation_token_ids", "action_token_ids", "behaviour_logprobs", "loss_mask",
+               "group_advantage", "verifications", "verification_score", "clipped", "event_time")
+    _ARRAYS = ("reward", "return_to_go", "advantage", "normalized_advantage")
+
+    def __init__(self, recipe: Recipe) -> None:
+        self._recipe = recipe
+        self._trajs: list[TrajectoryRow] = []
+        self._cols: dict[str, list[Any]] = {k: [] for k in self._LISTED + self._ARRAYS}
+        self.steps = 0
+
+    def __len__(self) -> int:
+        return len(self._trajs)
+
+    def add(self, episode: Episode) -> None:
+        self._trajs.append(trajectory_row(episode, self._recipe))
+        if not episode.complete or not episode.steps:
+            return
+        ss, c, n = episode.steps, self._cols, len(episode.steps)
+        c["episode_id"] += [episode.episode_id] * n
+        c["step_index"] += [s.step_index for s in ss]
+        c["event_id"] += [s.event_id for s in ss]
+        c["task_id"] += [episode.task_id] * n
+        c["task_group"] += [episode.task_group] * n
+        c["policy_version"] += [s.policy_version for s in ss]
+        c["status"] += [_status(episode)] * n
+        c["num_steps"] += [n] * n
+        c["observation_token_ids"] += [s.observation_token_ids for s in ss]
+        c["action_token_ids"] += [s.action_token_ids for s in ss]
+        c["behaviour_logprobs"] += [s.behaviour_logprobs for s in ss]
+        c["loss_mask"] += episode.loss_masks
+        c["group_advantage"] += [float(episode.group_advantage or 0.0)] * n
+        c["verifications"] += episode.verdicts
+        c["verification_score"] += [_verification_score(vs) for vs in episode.verdicts]
+        c["clipped"] += [False] * (n - 1) + [episode.clipped]
+        c["event_time"] += [s.event_time for s in ss]
+        c["reward"].append(episode.rewards)
+        c["return_to_go"].append(episode.returns)
+        c["advantage"].append(episode.advantages)
+        norm = episode.normalized_advantages
+        c["normalized_advantage"].append(norm if norm is not None else np.zeros(n))
+        self.steps += n
+
+    def tables(self) -> tuple[pa.Table, pa.Table]:
+        """``(trajectories, steps)`` tables of everything added."""
+        schema = step_file_schema()
+        with gc_paused():
+            columns = dict(self._cols)
+            for k in self._ARRAYS:
+                columns[k] = np.concatenate(columns[k]).astype(np.float64) if columns[k] else np.array([])
+            columns["recipe_hash"] = [_recipe_ids(self._recipe)[1]] * self.steps
+            steps = pa.Table.from_arrays([_column(columns[f.name], f.type) for f in schema], schema=schema)
+        return rows_to_table(self._trajs, trajectory_file_schema()), steps
 
 
 def rows_to_table(rows: Sequence[msgspec.Struct], schema: pa.Schema) -> pa.Table:
@@ -152,7 +235,9 @@ def _offsets(values: Sequence[Sequence[Any]]) -> pa.Array:
     return pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
 
 
-def _column(values: list[Any], typ: pa.DataType) -> pa.Array:
+def _column(values: list[Any] | np.ndarray, typ: pa.DataType) -> pa.Array:
+    if isinstance(values, np.ndarray):
+        return pa.array(values, type=typ)
     if pa.types.is_list(typ) and values and isinstance(values[0], np.ndarray):
         flat = np.concatenate(values) if len(values) else np.array([])
         return pa.ListArray.from_arrays(_offsets(values), pa.array(flat, type=typ.value_type), type=typ)
@@ -227,14 +312,13 @@ class _StageRowsFn(beam.DoFn):
         self._staging, self._recipe, self._shards = staging, recipe, shards
 
     def start_bundle(self) -> None:
-        self._buf: dict[tuple[str, int], list[tuple[TrajectoryRow, list[StepRow]]]] = {}
+        self._buf: dict[tuple[str, int], list[Episode]] = {}
         self._n = 0
 
     def process(self, episode: Episode) -> Iterator[tuple[tuple[str, int], str]]:
         key = (episode.domain, zlib.crc32(episode.episode_id.encode()) % self._shards)
-        traj, steps = episode_rows(episode, self._recipe)
-        self._buf.setdefault(key, []).append((traj, steps))
-        self._n += len(steps) + 1
+        self._buf.setdefault(key, []).append(episode)
+        self._n += len(episode.steps) + 1
         if self._n >= PART_ROWS:
             yield from self._flush()
 
@@ -247,10 +331,11 @@ class _StageRowsFn(beam.DoFn):
                 yield WindowedValue(out, window.max_timestamp(), [window])
 
     def _flush(self) -> Iterator[Any]:
-        for key, per_episode in sorted(self._buf.items()):
-            per_episode.sort(key=lambda tr: tr[0].episode_id)  # parts in order: the merge rarely re-sorts
-            trajs = rows_to_table([tr for tr, _ in per_episode], trajectory_file_schema())
-            steps = rows_to_table([s for _, ss in per_episode for s in ss], step_file_schema())
+        for key, episodes in sorted(self._buf.items()):
+            rows = RowsBuffer(self._recipe)
+            for episode in sorted(episodes, key=lambda e: e.episode_id):  # parts in order: the merge rarely re-sorts
+                rows.add(episode)
+            trajs, steps = rows.tables()
             base = Path(self._staging) / "_parts" / uuid.uuid4().hex
             base.parent.mkdir(parents=True, exist_ok=True)
             feather.write_feather(trajs, f"{base}.trajectories.arrow", compression="uncompressed")
@@ -358,16 +443,18 @@ def stage_files(
     Returns:
         The staged files' final relative paths.
     """
-    by_shard: dict[tuple[str, int], list[tuple]] = {}
-    incomplete = [episode_rows(e, recipe)[0] for e in episodes if not e.complete]
+    by_shard: dict[tuple[str, int], list[Episode]] = {}
+    incomplete = [trajectory_row(e, recipe) for e in episodes if not e.complete]
     for episode in (e for e in episodes if e.complete):
         shard = zlib.crc32(episode.episode_id.encode()) % shards
-        by_shard.setdefault((episode.domain, shard), []).append(episode_rows(episode, recipe))
+        by_shard.setdefault((episode.domain, shard), []).append(episode)
     merged = NormState(recipe_hash="", stats=dict(prior or {})).merged(dict(stats or {})).stats
     files = []
-    for (domain, shard), per_episode in sorted(by_shard.items()):
-        trajs = rows_to_table([tr for tr, _ in per_episode], trajectory_file_schema())
-        steps = rows_to_table([s for _, ss in per_episode for s in ss], step_file_schema())
+    for (domain, shard), shard_episodes in sorted(by_shard.items()):
+        rows = RowsBuffer(recipe)
+        for episode in sorted(shard_episodes, key=lambda e: e.episode_id):
+            rows.add(episode)
+        trajs, steps = rows.tables()
         files += write_shard(staging, recipe.version, commit, domain, shard, trajs, steps, stats=merged,
                              mode=recipe.normalization, eps=recipe.eps)
     files += _write_incomplete(incomplete, str(staging), recipe.version, commit)
@@ -443,7 +530,7 @@ class WriteDatasets(beam.PTransform):
         recipe = self._recipe
         incomplete_files = (
             pcolls["incomplete"]
-            | "IncompleteRows" >> beam.Map(lambda e: episode_rows(e, recipe)[0]).with_output_types(TrajectoryRow)
+            | "IncompleteRows" >> beam.Map(trajectory_row, recipe).with_output_types(TrajectoryRow)
             | "CollectIncomplete" >> beam.combiners.ToList()
             | "WriteIncomplete" >> beam.FlatMap(_write_incomplete, staging, version, commit)
         )
