@@ -28,30 +28,33 @@ from pipelines.trajectory_job import run_batch
 __all__ = ["bench_archive"]
 
 
-def bench_archive(archive_dir: str | Path, out_dir: str | Path, *, recipe: str = "outcome") -> dict[str, float]:
+def bench_archive(archive_dir: str | Path, out_dir: str | Path, *, recipe: str = "outcome",
+                  repeats: int = 3) -> dict[str, float]:
     """Run both implementations on the archive's committed files; events/s of each and the ratio.
 
     ``out_dir`` is emptied first (both write under it). Domain verifiers run
-    in neither (the reference has none), so both do the same work.
+    in neither (the reference has none), so both do the same work. The two
+    run interleaved ``repeats`` times each; the best time of each counts.
     """
     out = Path(out_dir)
     shutil.rmtree(out, ignore_errors=True)
     rec = load_recipe(recipe)
     files = [f.path for f in list_archive_files(archive_dir)]
     events = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    beam_s, polars_s = [], []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        counts = run_batch(out=out / f"beam-{i}", recipe=rec, source="archive", archive=archive_dir,
+                           use_domain_verifiers=False)
+        beam_s.append(time.perf_counter() - t0)
+        if counts["events_in"] != events:
+            raise RuntimeError(f"the Beam job read {counts['events_in']} events of {events}")
+        t0 = time.perf_counter()
+        run_polars(files, rec, out / f"polars-{i}")
+        polars_s.append(time.perf_counter() - t0)
+        shutil.rmtree(out)
 
-    t0 = time.perf_counter()
-    counts = run_batch(out=out / "beam", recipe=rec, source="archive", archive=archive_dir,
-                       use_domain_verifiers=False)
-    beam_s = time.perf_counter() - t0
-    if counts["events_in"] != events:
-        raise RuntimeError(f"the Beam job read {counts['events_in']} events of {events}")
-
-    t0 = time.perf_counter()
-    run_polars(files, rec, out / "polars")
-    polars_s = time.perf_counter() - t0
-
-    beam_eps, polars_eps = events / beam_s, events / polars_s
+    beam_eps, polars_eps = events / min(beam_s), events / min(polars_s)
     return {
         "pipeline_archive_events_per_s": round(beam_eps, 1),
         "polars_archive_events_per_s": round(polars_eps, 1),

@@ -26,6 +26,7 @@ Examples:
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -147,6 +148,7 @@ def payload_fields(event_type: str) -> list[str]:
     return [f.name for f in msgspec.structs.fields(cls) if f.name not in _ENVELOPE_SET]
 
 
+@functools.lru_cache(maxsize=1)
 def archive_schema() -> pa.Schema:
     """The event-archive table schema (see the module docstring)."""
     env = arrow_schema_for(Event)
