@@ -28,7 +28,7 @@ import functools
 import typing
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +148,7 @@ def table_to_fragments(table: pa.Table, *, topic: str = "") -> tuple[list[tuple[
                 columns[field] = [vals[o[i]:o[i + 1]] for i in rows]
                 arrays.add(field)
             else:
-                columns[field] = np.asarray(child.to_pylist(), dtype=object)[rows].tolist()
+                columns[field] = child.take(rows).to_pylist()
         fast = typed and not any(None in v for k, v in columns.items() if k not in arrays and k not in _nullable(cls))
         if fast:
             for k, convert in _converters(cls).items():
@@ -233,10 +233,13 @@ def _typed_as_archive(schema: pa.Schema) -> bool:
     return True
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
 def _times(col: pa.ChunkedArray) -> list[datetime]:
-    """UTC datetimes of a timestamp column (numpy path; ``to_pylist`` is ~5x slower with a tz)."""
-    naive = col.cast(pa.timestamp("us")).to_numpy().astype("datetime64[us]").astype(object)
-    return [t.replace(tzinfo=timezone.utc) for t in naive]
+    """UTC datetimes of a timestamp column (epoch + timedelta; ``to_pylist`` is ~5x slower with a tz)."""
+    us = col.cast(pa.timestamp("us", tz="UTC")).cast(pa.int64()).to_numpy(zero_copy_only=False)
+    return [_EPOCH + timedelta(microseconds=u) for u in us.tolist()]
 
 
 def _dec_hook(typ: type, obj: Any) -> Any:

@@ -38,24 +38,35 @@ def validate_event(event: Event, *, key: bytes | None) -> tuple[str, str] | None
     not at seq 0), ``invalid_event`` (step/verdict indices inconsistent with seq,
     negative counts).
     """
-    where = f"{event.event_type} {event.episode_id}/{event.seq}"
     if key is not None and key != event.episode_id.encode():
-        return "key_mismatch", f"{where} has Kafka key {key[:64]!r}; events must be keyed by episode_id"
+        return "key_mismatch", f"{_where(event)} has Kafka key {key[:64]!r}; events must be keyed by episode_id"
+    seq = event.seq
+    if isinstance(event, Step) and seq > 0:  # the common case first; messages are built only on failure
+        if not 0 <= event.step_index < seq:
+            return "invalid_event", (f"{_where(event)} has step_index {event.step_index} but seq {seq}; "
+                                     "a step needs step_index < seq")
+        if event.action_tokens != len(event.action_token_ids):
+            return "invalid_event", (f"{_where(event)} says action_tokens={event.action_tokens} but has "
+                                     f"{len(event.action_token_ids)} ids")
+        return None
     if isinstance(event, PolicyPublished):
-        return "wrong_topic", f"{where} is a control event; it belongs on the control topic"
-    if event.seq < 0:
-        return "invalid_seq", f"{where} has negative seq"
-    if isinstance(event, EpisodeStarted) and event.seq != 0:
-        return "invalid_seq", f"{where}: episode_started must have seq 0"
-    if not isinstance(event, EpisodeStarted) and event.seq == 0:
-        return "invalid_seq", f"{where}: only episode_started may have seq 0"
-    if isinstance(event, (Step, StepVerified)) and not 0 <= event.step_index < event.seq:
-        return "invalid_event", f"{where} has step_index {event.step_index} but seq {event.seq}; a step needs step_index < seq"
-    if isinstance(event, Step) and event.action_tokens != len(event.action_token_ids):
-        return "invalid_event", f"{where} says action_tokens={event.action_tokens} but has {len(event.action_token_ids)} ids"
+        return "wrong_topic", f"{_where(event)} is a control event; it belongs on the control topic"
+    if seq < 0:
+        return "invalid_seq", f"{_where(event)} has negative seq"
+    if isinstance(event, EpisodeStarted):
+        return None if seq == 0 else ("invalid_seq", f"{_where(event)}: episode_started must have seq 0")
+    if seq == 0:
+        return "invalid_seq", f"{_where(event)}: only episode_started may have seq 0"
+    if isinstance(event, StepVerified) and not 0 <= event.step_index < seq:  # (a Step got here only with seq <= 0)
+        return "invalid_event", (f"{_where(event)} has step_index {event.step_index} but seq {seq}; "
+                                 "a step needs step_index < seq")
     if isinstance(event, EpisodeFinished) and event.num_steps < 0:
-        return "invalid_event", f"{where} has negative num_steps"
+        return "invalid_event", f"{_where(event)} has negative num_steps"
     return None
+
+
+def _where(event: Event) -> str:
+    return f"{event.event_type} {event.episode_id}/{event.seq}"
 
 
 class _DecodeBatchFn(beam.DoFn):
