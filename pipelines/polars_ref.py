@@ -1,8 +1,10 @@
 """A plain polars implementation of the trajectory transforms over an archive (reference + benchmark).
 
 Same recipe → same per-step ``reward``, ``return_to_go``, ``advantage`` and
-``normalized_advantage`` as the Beam job for complete episodes on a fresh
-dataset root (no prior statistics). Differences, by design of a reference:
+``normalized_advantage``, and the same per-episode ``episode_return``,
+``normalized_return`` and ``group_advantage``, as the Beam job for complete
+episodes on a fresh dataset root (no prior statistics); like the job it writes
+a ``steps`` and a ``trajectories`` table. Differences, by design of a reference:
 it does not re-run the domain verifiers (``s_t`` uses the rollout-time
 verdicts and the generic token-consistency check, as the Beam job does with
 ``use_domain_verifiers=False``), it has no pending state, no PRM, and no
@@ -24,7 +26,7 @@ import polars as pl
 
 from pipelines.recipes import Recipe, RecipeError
 
-__all__ = ["compute_steps_polars", "run_polars"]
+__all__ = ["compute_polars", "compute_steps_polars", "run_polars"]
 
 
 def _discounted_rtg(reward: str, t: str, ep: str, *, gamma: float) -> pl.Expr:
@@ -38,7 +40,12 @@ def _discounted_rtg(reward: str, t: str, ep: str, *, gamma: float) -> pl.Expr:
 
 
 def compute_steps_polars(files: Sequence[str | Path], recipe: Recipe) -> pl.DataFrame:
-    """Steps of complete episodes with reward, return, advantage and normalized advantage.
+    """Steps of complete episodes with reward, return, advantage and normalized advantage."""
+    return compute_polars(files, recipe)[0]
+
+
+def compute_polars(files: Sequence[str | Path], recipe: Recipe) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """``(steps, trajectories)`` of the complete episodes in ``files``.
 
     Raises:
         RecipeError: a recipe feature the reference does not implement.
@@ -48,6 +55,14 @@ def compute_steps_polars(files: Sequence[str | Path], recipe: Recipe) -> pl.Data
     ev = pl.read_parquet([str(f) for f in files]).unique(subset=["event_id"], keep="first", maintain_order=True)
     per_ep = ev.group_by("episode_id").agg(
         n=pl.len(), max_seq=pl.col("seq").max(),
+        first_event_time=pl.col("event_time").min(), last_event_time=pl.col("event_time").max(),
+        policy_version=pl.col("policy_version").first(),
+        difficulty=pl.col("episode_started").struct.field("difficulty").filter(
+            pl.col("event_type") == "episode_started").first(),
+        status=pl.col("episode_finished").struct.field("status").filter(
+            pl.col("event_type") == "episode_finished").first(),
+        verifier_summary=pl.col("episode_finished").struct.field("verifier_summary").filter(
+            pl.col("event_type") == "episode_finished").first(),
         started=(pl.col("event_type") == "episode_started").any(),
         finished=(pl.col("event_type") == "episode_finished").any(),
         task_group=pl.col("episode_started").struct.field("task_group").filter(
@@ -67,13 +82,15 @@ def compute_steps_polars(files: Sequence[str | Path], recipe: Recipe) -> pl.Data
         "episode_id", t=pl.col("step_verified").struct.field("step_index"),
         verifier=pl.col("step_verified").struct.field("verifier"),
         score=pl.col("step_verified").struct.field("score"),
+        passed=pl.col("step_verified").struct.field("passed"),
     )
+    token_score = pl.when(pl.col("lp").list.len() == 0).then(0.5).when(
+        (pl.col("lp").list.len() == pl.col("n_tok")) & (pl.col("lp").list.max() <= 0)
+        & pl.col("lp").list.eval(pl.element().is_finite()).list.all()
+    ).then(1.0).otherwise(0.0)
     token_ok = steps.select(
-        "episode_id", "t", verifier=pl.lit("pipeline.token_consistency"),
-        score=pl.when(pl.col("lp").list.len() == 0).then(0.5).when(
-            (pl.col("lp").list.len() == pl.col("n_tok")) & (pl.col("lp").list.max() <= 0)
-            & pl.col("lp").list.eval(pl.element().is_finite()).list.all()
-        ).then(1.0).otherwise(0.0),
+        "episode_id", "t", verifier=pl.lit("pipeline.token_consistency"), score=token_score,
+        passed=token_score > 0,
     )
     weights = recipe.verifier_weights
     all_v = pl.concat([verdicts, token_ok]).with_columns(
@@ -81,7 +98,9 @@ def compute_steps_polars(files: Sequence[str | Path], recipe: Recipe) -> pl.Data
         if weights else pl.lit(1.0)
     )
     s = all_v.group_by("episode_id", "t").agg(
-        s=pl.when(pl.col("w").sum() > 0).then((pl.col("w") * pl.col("score")).sum() / pl.col("w").sum()).otherwise(0.0)
+        s=pl.when(pl.col("w").sum() > 0).then(
+            (pl.col("w") * pl.col("score")).sum() / pl.col("w").sum()).otherwise(0.0),
+        passed=pl.col("passed").all(),
     )
     df = (
         steps.join(per_ep.select("episode_id", "task_group", "outcome"), on="episode_id")
@@ -113,16 +132,39 @@ def compute_steps_polars(files: Sequence[str | Path], recipe: Recipe) -> pl.Data
         norm = pl.col("group_advantage")
     else:
         norm = pl.col("advantage")
-    return df.with_columns(normalized_advantage=norm).select(
+    df = df.with_columns(normalized_advantage=norm)
+    steps_out = df.select(
         "episode_id", "domain", "task_id", "task_group", pl.col("t").alias("step_index"),
         "observation_token_ids", "action_token_ids", pl.col("lp").alias("behaviour_logprobs"),
         "reward", "return_to_go", "advantage", "normalized_advantage", "group_advantage",
     ).sort("episode_id", "step_index")
+    ret = ep.join(df.group_by("episode_id").agg(pl.col("domain").first()), on="episode_id").group_by("domain").agg(
+        r_mean=pl.col("G0").mean(), r_std=pl.col("G0").std(ddof=0).fill_null(0.0))
+    trajectories = (
+        df.group_by("episode_id").agg(
+            pl.col("domain", "task_id", "task_group", "G0", "group_advantage").first(),
+            num_steps=pl.len(), action_tokens=pl.col("n_tok").sum(), steps_passed=pl.col("passed").sum(),
+        )
+        .join(per_ep.select("episode_id", "n", "outcome", "policy_version", "difficulty", "status",
+                            "verifier_summary", "first_event_time", "last_event_time"), on="episode_id")
+        .join(ret, on="domain")
+        .select(
+            "episode_id", "domain", "task_id", "task_group", "policy_version", "difficulty", "status",
+            complete=pl.lit(True), num_events="n", num_steps="num_steps", action_tokens="action_tokens",
+            outcome_reward="outcome", episode_return="G0",
+            normalized_return=(pl.col("G0") - pl.col("r_mean")) / (pl.col("r_std") + recipe.eps),
+            group_advantage="group_advantage", verifier_summary="verifier_summary", steps_passed="steps_passed",
+            first_event_time="first_event_time", last_event_time="last_event_time",
+        )
+        .sort("episode_id")
+    )
+    return steps_out, trajectories
 
 
 def run_polars(files: Sequence[str | Path], recipe: Recipe, out_dir: str | Path) -> int:
-    """Compute the steps and write them hive-partitioned by domain; returns the step rows."""
-    df = compute_steps_polars(files, recipe)
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    df.write_parquet(Path(out_dir), partition_by="domain")
-    return df.height
+    """Compute both tables and write them hive-partitioned by domain; returns the step rows."""
+    steps, trajectories = compute_polars(files, recipe)
+    for name, df in (("steps", steps), ("trajectories", trajectories)):
+        (Path(out_dir) / name).mkdir(parents=True, exist_ok=True)
+        df.write_parquet(Path(out_dir) / name, partition_by="domain")
+    return steps.height

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines.commit import CommitError
-from pipelines.polars_ref import compute_steps_polars
+from pipelines.polars_ref import compute_polars
 from pipelines.recipes import load_recipe
 from pipelines.trajectory_job import JobError, run, run_batch
 from pipelines.types import RawRecords
@@ -167,10 +167,20 @@ def test_polars_reference_agrees(archive, first_run, tmp_path):
         cols = ["episode_id", "step_index", "reward", "return_to_go", "advantage", "normalized_advantage",
                 "group_advantage"]
         ours = beam_df.select(cols).sort("episode_id", "step_index")
-        ref = compute_steps_polars(files, recipe).select(cols).sort("episode_id", "step_index")
+        ref_steps, ref_trajs = compute_polars(files, recipe)
+        ref = ref_steps.select(cols).sort("episode_id", "step_index")
         assert ours.height == ref.height
         for col in cols[2:]:
             assert (ours[col] - ref[col]).abs().max() < 1e-9, (name, col)
+        traj_cols = ["episode_id", "num_steps", "action_tokens", "num_events", "outcome_reward", "episode_return",
+                     "normalized_return", "group_advantage"]
+        beam_trajs = pl.read_parquet(f"{out}/trajectories/recipe={recipe.version}/**/*-s*.parquet",
+                                     hive_partitioning=True).select(traj_cols).sort("episode_id")
+        ref_trajs = ref_trajs.select(traj_cols).sort("episode_id")
+        assert beam_trajs.height == ref_trajs.height == N
+        assert beam_trajs.select(traj_cols[:4]).equals(ref_trajs.select(traj_cols[:4]))
+        for col in traj_cols[4:]:
+            assert (beam_trajs[col] - ref_trajs[col]).abs().max() < 1e-9, (name, col)
 
 
 def test_option_errors_name_the_option(tmp_path):
