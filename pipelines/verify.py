@@ -83,8 +83,8 @@ class _VerifyFn(beam.DoFn):
         self._verify_step, self._not_found = verify_step, VerifierNotFound
 
     def process(self, episode: Episode) -> Iterator[Episode]:
-        spec = self._task_spec(episode)
-        domain_ok = self._verify_step is not None and spec is not None
+        spec = self._task_spec(episode) if self._verify_step is not None else None  # specs can be whole documents
+        domain_ok = spec is not None
         verdicts = []
         for step, recorded in zip(episode.steps, episode.verdicts):
             ours = [check_token_consistency(step)]
@@ -114,9 +114,12 @@ class _VerifyFn(beam.DoFn):
         if episode.started is None:
             return None
         try:
-            spec = json.loads(episode.started.task_spec)
-        except ValueError:
-            return None
+            spec = msgspec.json.decode(episode.started.task_spec)
+        except msgspec.DecodeError:
+            try:  # the stdlib also reads what msgspec refuses (NaN, Infinity)
+                spec = json.loads(episode.started.task_spec)
+            except ValueError:
+                return None
         return spec if isinstance(spec, dict) else None
 
 
