@@ -23,7 +23,7 @@ from schemas.codec import EventDecodeError, decode_event
 from schemas.deadletter import DeadLetter
 from schemas.events import EpisodeFinished, EpisodeStarted, Event, PolicyPublished, Step, StepVerified
 
-__all__ = ["DecodeAndValidate", "validate_event", "DETECTED_BY"]
+__all__ = ["DecodeAndValidate", "validate_event", "record_dead_letter", "DETECTED_BY"]
 
 #: ``DeadLetter.detected_by`` of everything this transform quarantines.
 DETECTED_BY = "pipeline.decode"
@@ -86,14 +86,14 @@ class _DecodeBatchFn(beam.DoFn):
                 event = decode_event(value, max_bytes=self._max_event_bytes)
             except EventDecodeError as err:
                 dead += 1
-                yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, _dead_letter(
-                    batch, offset, key, value, ts, err.reason, str(err), err.event_type))
+                yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, record_dead_letter(
+                    batch.topic, batch.partition, offset, ts, key, value, err.reason, str(err), err.event_type))
                 continue
             problem = validate_event(event, key=key)
             if problem is not None:
                 dead += 1
-                yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, _dead_letter(
-                    batch, offset, key, value, ts, problem[0], problem[1], event.event_type))
+                yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, record_dead_letter(
+                    batch.topic, batch.partition, offset, ts, key, value, problem[0], problem[1], event.event_type))
                 continue
             by_episode[event.episode_id].append(event)
         self._batches.inc()
@@ -103,12 +103,12 @@ class _DecodeBatchFn(beam.DoFn):
         yield from by_episode.items()
 
 
-def _dead_letter(batch: RawRecords, offset: int, key: bytes | None, value: bytes | None, ts: int,
-                 reason: str, message: str, event_type: str | None) -> DeadLetter:
+def record_dead_letter(topic: str, partition: int, offset: int, ts: int, key: bytes | None, value: bytes | None,
+                       reason: str, message: str, event_type: str | None) -> DeadLetter:
+    """The dead letter of one Kafka record this stage rejects (its position, raw key and value)."""
     return DeadLetter(
-        reason=reason, message=message, source_topic=batch.topic, source_partition=batch.partition,
-        source_offset=offset, key=key, value=value, detected_by=DETECTED_BY, source_timestamp_ms=ts,
-        event_type=event_type,
+        reason=reason, message=message, source_topic=topic, source_partition=partition, source_offset=offset,
+        key=key, value=value, detected_by=DETECTED_BY, source_timestamp_ms=ts, event_type=event_type,
     )
 
 

@@ -45,10 +45,9 @@ from pipelines.assemble import (
     assemble_episode,
     dedupe_events,
 )
-from pipelines.decode import DETECTED_BY, validate_event
+from pipelines.decode import record_dead_letter, validate_event
 from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE, Episode, RawRecords
 from schemas.codec import EventDecodeError, decode_event, encode_event
-from schemas.deadletter import DeadLetter
 from schemas.events import Event
 
 __all__ = [
@@ -93,14 +92,6 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(FrameBlob)
 
 
-def _dead_letter(topic: str, partition: int, offset: int, ts: int, key: bytes | None, value: bytes | None,
-                 reason: str, message: str, event_type: str | None) -> DeadLetter:
-    return DeadLetter(
-        reason=reason, message=message, source_topic=topic, source_partition=partition, source_offset=offset,
-        key=key, value=value, detected_by=DETECTED_BY, source_timestamp_ms=ts, event_type=event_type,
-    )
-
-
 class _KeyFramesFn(beam.DoFn):
     """RawRecords → ``(episode key, FrameBlob bytes)`` per key; unkeyed records are decoded for their id."""
 
@@ -122,7 +113,7 @@ class _KeyFramesFn(beam.DoFn):
                     group = decode_event(value, max_bytes=self._max).episode_id
                 except EventDecodeError as err:
                     self._dead.inc()
-                    yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, _dead_letter(
+                    yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, record_dead_letter(
                         batch.topic, batch.partition, offset, ts, key, value, err.reason, str(err), err.event_type))
                     continue
             offs, tss, keys, frames = groups[group]
@@ -250,13 +241,13 @@ class _AssembleFromFramesFn(beam.DoFn):
                     ev = decode_event(frame, max_bytes=self._max)
                 except EventDecodeError as err:
                     dead += 1
-                    yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, _dead_letter(
+                    yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, record_dead_letter(
                         blob.topic, p, off, ts, key, frame, err.reason, str(err), err.event_type))
                     continue
                 problem = validate_event(ev, key=key if key is not None else key_bytes)
                 if problem is not None:
                     dead += 1
-                    yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, _dead_letter(
+                    yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, record_dead_letter(
                         blob.topic, p, off, ts, key, frame, problem[0], problem[1], ev.event_type))
                     continue
                 events.append(ev)

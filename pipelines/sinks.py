@@ -45,6 +45,7 @@ __all__ = [
     "episode_rows",
     "trajectory_row",
     "RowsBuffer",
+    "episodes_to_tables",
     "rows_to_table",
     "final_path",
     "incomplete_path",
@@ -215,6 +216,14 @@ class RowsBuffer:
         return rows_to_table(self._trajs, trajectory_file_schema()), steps
 
 
+def episodes_to_tables(episodes: Iterable[Episode], recipe: Recipe) -> tuple[pa.Table, pa.Table]:
+    """``(trajectories, steps)`` tables of ``episodes``, rows in episode-id order (:class:`RowsBuffer`)."""
+    rows = RowsBuffer(recipe)
+    for episode in sorted(episodes, key=lambda e: e.episode_id):
+        rows.add(episode)
+    return rows.tables()
+
+
 def rows_to_table(rows: Sequence[msgspec.Struct], schema: pa.Schema) -> pa.Table:
     """Columnar build of a table from row structs.
 
@@ -332,10 +341,7 @@ class _StageRowsFn(beam.DoFn):
 
     def _flush(self) -> Iterator[Any]:
         for key, episodes in sorted(self._buf.items()):
-            rows = RowsBuffer(self._recipe)
-            for episode in sorted(episodes, key=lambda e: e.episode_id):  # parts in order: the merge rarely re-sorts
-                rows.add(episode)
-            trajs, steps = rows.tables()
+            trajs, steps = episodes_to_tables(episodes, self._recipe)  # in order: the merge rarely re-sorts
             base = Path(self._staging) / "_parts" / uuid.uuid4().hex
             base.parent.mkdir(parents=True, exist_ok=True)
             feather.write_feather(trajs, f"{base}.trajectories.arrow", compression="uncompressed")
@@ -451,10 +457,7 @@ def stage_files(
     merged = NormState(recipe_hash="", stats=dict(prior or {})).merged(dict(stats or {})).stats
     files = []
     for (domain, shard), shard_episodes in sorted(by_shard.items()):
-        rows = RowsBuffer(recipe)
-        for episode in sorted(shard_episodes, key=lambda e: e.episode_id):
-            rows.add(episode)
-        trajs, steps = rows.tables()
+        trajs, steps = episodes_to_tables(shard_episodes, recipe)
         files += write_shard(staging, recipe.version, commit, domain, shard, trajs, steps, stats=merged,
                              mode=recipe.normalization, eps=recipe.eps)
     files += _write_incomplete(incomplete, str(staging), recipe.version, commit)
