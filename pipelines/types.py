@@ -49,7 +49,7 @@ DEAD_LETTER_TAG = "dead_letters"
 INCOMPLETE_REASONS = ("unfinished", "gap", "no_start")
 
 
-class RawRecords(msgspec.Struct, kw_only=True, frozen=True):
+class RawRecords(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     """A batch of consecutive records of one Kafka partition (what Kafka sources emit).
 
     All lists have the same length (one entry per record), in offset order.
@@ -86,7 +86,8 @@ class RawRecords(msgspec.Struct, kw_only=True, frozen=True):
 Fragment = Tuple[str, list]
 
 
-class Episode(msgspec.Struct, kw_only=True):
+# gc=False (as for events): plain data, never in a reference cycle, held by the ten thousand.
+class Episode(msgspec.Struct, kw_only=True, gc=False):
     """One assembled episode, and the annotations the later transforms add.
 
     Attributes:

@@ -46,7 +46,7 @@ DATASET_SCHEMA_VERSION = 1
 PARTITION_KEYS: tuple[str, ...] = ("recipe", "domain")
 
 
-class Verification(msgspec.Struct, kw_only=True, frozen=True):
+class Verification(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     """One verifier verdict on one step.
 
     Attributes:
@@ -65,7 +65,7 @@ class Verification(msgspec.Struct, kw_only=True, frozen=True):
     source: str = "rollout"
 
 
-class StepRow(msgspec.Struct, kw_only=True):
+class StepRow(msgspec.Struct, kw_only=True, gc=False):
     """One training step: what the policy saw and did, and the credit it gets.
 
     Attributes:
@@ -128,7 +128,7 @@ class StepRow(msgspec.Struct, kw_only=True):
     event_time: datetime
 
 
-class TrajectoryRow(msgspec.Struct, kw_only=True):
+class TrajectoryRow(msgspec.Struct, kw_only=True, gc=False):
     """One episode: its outcome, its credit and how it was processed.
 
     Incomplete episodes (never finished, or with a ``seq`` gap, after

