@@ -251,7 +251,7 @@ def run_batch(
     _LOG.info("commit %d of %s: %s input, pending=%s", commit, recipe.version, source, pending_path)
 
     runner = _make_runner(runner_name)
-    p = beam.Pipeline(runner=runner, options=options or PipelineOptions())
+    p = beam.Pipeline(runner=runner, options=options or PipelineOptions([]))
     # Events cross the one shuffle as their raw frames (pipelines/frames.py): decoded once, after it.
     # Archive files hold most episodes whole: those are assembled where the file is read, no shuffle.
     local = None
