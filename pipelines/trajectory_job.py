@@ -410,7 +410,7 @@ def run_stream(
         use_domain_verifiers: run ``rollout.verifiers`` in VerifySteps.
 
     Returns:
-        The job's counts (keys :data:`COUNT_KEYS`, from the pipeline's metrics)
+        The job's counts (keys :data:`COUNT_KEYS`: from the pipeline's metrics, ``steps`` from this run's manifests)
         plus ``commits``.
     """
     from pipelines.assemble import AssembleEpisodesStreaming
@@ -456,7 +456,11 @@ def run_stream(
     result = p.run()
     result.wait_until_finish()
     counts, _ = _counts(result)
-    counts["commits"] = len(read_manifests(layout)) - len(manifests)
+    ours = read_manifests(layout)[len(manifests):]
+    # Steps are counted where they are written, in this run's manifests: a metric bumped by the writer
+    # of the last pane is not always reported before Prism ends the job.
+    counts["steps"] = sum(m.counts.get("steps", 0) for m in ours)
+    counts["commits"] = len(ours)
     return counts
 
 

@@ -109,6 +109,7 @@ def test_stream_commits_while_producing_and_ends_exactly_once(kafka_broker, topi
                                   f"read_parquet('{out}/steps/**/*.parquet', hive_partitioning=true)").fetchall()
     assert steps == distinct == sum(ev.event_type == "step" for ep in finished for ev in ep)
     c = counts
+    assert c["steps"] == steps
     assert c["events_in"] == sum(map(len, finished)) + len(unfinished)
     assert (c["episodes"], c["incomplete_episodes"], c["dead_letters"]) == (N, 1, 0)
     assert c["events_in"] == c["events_used"] + c["events_incomplete"] + c["events_pending_out"] + c["duplicates"]
