@@ -290,27 +290,31 @@ class Archiver:
 
     def run(self, *, until_end: bool = True, stop: threading.Event | None = None, poll_interval_s: float = 1.0) -> ArchiveCounts:
         """Archive until the end offsets seen at start (``until_end``) or until ``stop`` is set."""
-        from streams.consumer import OffsetRange, end_offsets, read_range
+        from streams.consumer import OffsetRange, end_offsets
+        from streams.fetch import PartitionReader
 
         recover_archive(self.out)
         counts = ArchiveCounts()
         stop = stop or threading.Event()
-        while not stop.is_set():
-            start = self.committed_offsets()
-            end = end_offsets(self.conn, self.topic)
-            ranges = [
-                OffsetRange(topic=self.topic, partition=p, start=start.get(p, 0), end=e)
-                for p, e in sorted(end.items())
-                if e > start.get(p, 0)
-            ]
-            if ranges:
-                self._drain(ranges, read_range, counts, stop)
-            if until_end:
-                break
-            stop.wait(poll_interval_s)
+        with PartitionReader(self.conn) as reader:
+            while not stop.is_set():
+                start = self.committed_offsets()
+                end = end_offsets(self.conn, self.topic)
+                ranges = [
+                    OffsetRange(topic=self.topic, partition=p, start=start.get(p, 0), end=e)
+                    for p, e in sorted(end.items())
+                    if e > start.get(p, 0)
+                ]
+                if ranges:
+                    self._drain(ranges, reader, counts, stop)
+                if until_end:
+                    break
+                stop.wait(poll_interval_s)
         return counts
 
-    def _drain(self, ranges: list, read_range: Callable, counts: ArchiveCounts, stop: threading.Event) -> None:
+    def _drain(self, ranges: list, reader: Any, counts: ArchiveCounts, stop: threading.Event) -> None:
+        from streams.fetch import read_partition
+
         events: list[Event] = []
         positions: list[tuple[int, int]] = []
         covered: dict[int, list[int]] = {}
@@ -337,24 +341,28 @@ class Archiver:
             events, positions, covered, dead, pending = [], [], {}, 0, 0
 
         starts = {r.partition: r.start for r in ranges}
-        for batch in read_range(self.conn, ranges):
-            for rec in batch:
-                try:
-                    ev = decode_event(rec.value)
-                except EventDecodeError as err:
-                    self._dead_letter(rec, err)
-                    dead += 1
-                else:
-                    events.append(ev)
-                    positions.append((rec.partition, rec.offset))
-                span = covered.setdefault(rec.partition, [starts[rec.partition], rec.offset + 1])
-                span[1] = rec.offset + 1
-                pending += 1
-                if pending >= self.commit_every:
-                    # The next range of each partition starts where this commit ends.
-                    for p, (_, e) in covered.items():
-                        starts[p] = e
-                    commit()
+        for r in ranges:  # one partition after another: each chunk is one Fetch of one partition
+            for chunk in read_partition(reader, r):
+                p = chunk.partition
+                for i, value in enumerate(chunk.values):
+                    try:
+                        ev = decode_event(value)
+                    except EventDecodeError as err:
+                        self._dead_letter(chunk.record(i), err)
+                        dead += 1
+                    else:
+                        events.append(ev)
+                        positions.append((p, chunk.offsets[i]))
+                    span = covered.setdefault(p, [starts[p], chunk.offsets[i] + 1])
+                    span[1] = chunk.offsets[i] + 1
+                    pending += 1
+                    if pending >= self.commit_every:
+                        # The next range of each partition starts where this commit ends.
+                        for q, (_, e) in covered.items():
+                            starts[q] = e
+                        commit()
+                if stop.is_set():
+                    break
             if stop.is_set():
                 break
         # Offsets consumed without records (compaction / transaction markers) still count as covered.

@@ -30,6 +30,8 @@ Examples:
     (2, 6)
     >>> chunk.below(5).offsets
     [4]
+    >>> chunk.record(1)
+    FetchedRecord(topic='t', partition=0, offset=5, key=b'b', value=b'y', timestamp=2)
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import bisect
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import kafka.errors as Errors
 import msgspec
@@ -52,6 +54,7 @@ from streams.consumer import OffsetRange, ReadStalledError
 
 __all__ = [
     "PartitionChunk",
+    "FetchedRecord",
     "PartitionReader",
     "FetchError",
     "OffsetOutOfRangeError",
@@ -82,6 +85,17 @@ class CorruptBatchError(FetchError):
     """A fetched record batch failed its CRC check."""
 
 
+class FetchedRecord(NamedTuple):
+    """One record of a :class:`PartitionChunk` (the fields a dead letter needs, as on ``ConsumerRecord``)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    timestamp: int
+
+
 class PartitionChunk(msgspec.Struct, kw_only=True):
     """The records one Fetch returned for one partition, as parallel lists in offset order.
 
@@ -109,6 +123,11 @@ class PartitionChunk(msgspec.Struct, kw_only=True):
 
     def __len__(self) -> int:
         return len(self.offsets)
+
+    def record(self, i: int) -> FetchedRecord:
+        """The ``i``-th record as a :class:`FetchedRecord`."""
+        return FetchedRecord(self.topic, self.partition, self.offsets[i], self.keys[i], self.values[i],
+                             self.timestamps_ms[i])
 
     def below(self, stop: int) -> "PartitionChunk":
         """The records with offset ``< stop`` (``next_offset`` capped at ``stop``)."""
