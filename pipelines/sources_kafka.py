@@ -291,7 +291,7 @@ class _ReadRangeFn(beam.DoFn):
                     return
                 self._count(batch)
                 yield batch
-            pos = chunk.next_offset
+            pos = max(pos, chunk.next_offset)
 
     def _count(self, batch: RawRecords) -> None:
         self._records.inc(len(batch))

@@ -255,6 +255,7 @@ class PartitionReader:
         values: list[bytes | None] = []
         stamps: list[int] = []
         next_offset = offset
+        floor = offset  # offsets only go up: records before it (a batch starting earlier, a batch sent twice) are skipped
         records = MemoryRecords(data.records) if data.records else None
         while records is not None:
             batch = records.next_batch()
@@ -268,12 +269,14 @@ class PartitionReader:
                 continue
             for record in batch:
                 o = record.offset
-                if o < offset:  # the batch starts before the offset asked for
+                if o < floor:
                     continue
+                floor = o + 1
                 offsets.append(o)
                 keys.append(record.key)
                 values.append(record.value)
                 stamps.append(record.timestamp)
+        next_offset = max(next_offset, floor)  # never behind what was read, whatever the batch headers say
         return PartitionChunk(topic=topic, partition=partition, offsets=offsets, keys=keys, values=values,
                               timestamps_ms=stamps, next_offset=next_offset, high_watermark=data.high_watermark)
 
