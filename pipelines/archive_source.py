@@ -281,10 +281,11 @@ FRAMES_TAG = "frames"
 
 
 class _ReadFileLocalFn(beam.DoFn):
-    def __init__(self, split: frozenset[str], already_emitted: frozenset[str]) -> None:
+    def __init__(self, split: frozenset[str], already_emitted: frozenset[str], buckets: int) -> None:
         from pipelines.frames import EpisodeAssembler
 
         self._split = split
+        self._buckets = buckets
         self._assemble = EpisodeAssembler(already_emitted)
         self._events_in = Metrics.counter(METRICS_NAMESPACE, "events_in")
         self._dead = Metrics.counter(METRICS_NAMESPACE, "dead_letters")
@@ -304,7 +305,7 @@ class _ReadFileLocalFn(beam.DoFn):
         local = 0
         for episode_id, events in frags:
             if episode_id in self._split:
-                yield beam.pvalue.TaggedOutput(FRAMES_TAG, to_frames((episode_id, events), f.topic))
+                yield beam.pvalue.TaggedOutput(FRAMES_TAG, to_frames((episode_id, events), f.topic, self._buckets))
             else:
                 local += 1
                 yield from self._assemble(episode_id, events)
@@ -329,6 +330,7 @@ class ReadArchiveEpisodes(beam.PTransform):
         files: the files to read (default: every committed file).
         split: episode ids that must go through the shuffle.
         already_emitted: episode ids earlier commits emitted (their events are duplicates).
+        buckets: shuffle buckets of the ``frames`` output (:func:`pipelines.frames.shuffle_buckets`).
 
     Returns:
         A ``DoOutputsTuple``: ``episodes`` (complete :class:`~pipelines.types.Episode` s),
@@ -338,10 +340,11 @@ class ReadArchiveEpisodes(beam.PTransform):
     """
 
     def __init__(self, archive_dir: str | Path, *, files: Sequence[ArchiveFile] | None = None,
-                 split: Iterable[str] = (), already_emitted: Iterable[str] = ()) -> None:
+                 split: Iterable[str] = (), already_emitted: Iterable[str] = (), buckets: int = 1) -> None:
         super().__init__()
         self._files = list(files) if files is not None else list_archive_files(archive_dir)
         self._split, self._already = frozenset(split), frozenset(already_emitted)
+        self._buckets = buckets
 
     def expand(self, pbegin):
         from pipelines.frames import CLOCK_TAG, UNDECIDED_TAG
@@ -351,6 +354,6 @@ class ReadArchiveEpisodes(beam.PTransform):
             pbegin
             | "ListFiles" >> beam.Create(self._files, reshuffle=False)
             | "Distribute" >> beam.Reshuffle()
-            | "ReadAndAssemble" >> beam.ParDo(_ReadFileLocalFn(self._split, self._already)).with_output_types(
+            | "ReadAndAssemble" >> beam.ParDo(_ReadFileLocalFn(self._split, self._already, self._buckets)).with_output_types(
                 Episode).with_outputs(DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG, FRAMES_TAG, main="episodes")
         )

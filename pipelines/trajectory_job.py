@@ -66,7 +66,14 @@ from pipelines.commit import (
     recover,
 )
 from pipelines.decode import DecodeAndValidate
-from pipelines.frames import CLOCK_TAG, UNDECIDED_TAG, AssembleEpisodesFromFrames, EventsToFrames, KeyFrames
+from pipelines.frames import (
+    CLOCK_TAG,
+    UNDECIDED_TAG,
+    AssembleEpisodesFromFrames,
+    EventsToFrames,
+    KeyFrames,
+    shuffle_buckets,
+)
 from pipelines.recipes import Recipe, load_recipe
 from pipelines.rewards import ComputeProcessRewards
 from pipelines.sinks import WriteDatasets
@@ -252,28 +259,33 @@ def run_batch(
 
     runner = _make_runner(runner_name)
     p = beam.Pipeline(runner=runner, options=options or PipelineOptions([]))
-    # Events cross the one shuffle as their raw frames (pipelines/frames.py): decoded once, after it.
+    # Events cross the one shuffle as their raw frames (pipelines/frames.py), grouped in hash buckets of
+    # episodes (a few elements per batch, not one per episode), decoded once, after it.
     # Archive files hold most episodes whole: those are assembled where the file is read, no shuffle.
     local = None
     committed = committed_episode_ids(layout, manifests)
     if source == "archive":
         pending_ids = _pending_ids(pending_path)
+        split = split_episode_ids(files, also=pending_ids)
+        buckets = shuffle_buckets(len(split) * 16)  # only episodes spread over files take the shuffle
         read = p | "ReadArchive" >> ReadArchiveEpisodes(
-            archive, files=files, split=split_episode_ids(files, also=pending_ids), already_emitted=committed)
+            archive, files=files, split=split, already_emitted=committed, buckets=buckets)
         local, frames = read, read[FRAMES_TAG]
     else:
         if source == "kafka":
             from pipelines.sources_kafka import ReadKafkaRange
 
+            buckets = shuffle_buckets(sum(r.size for r in ranges))
             batches = p | "ReadKafka" >> ReadKafkaRange(kafka["conn"], kafka["topic"], ranges)
         else:
+            buckets = shuffle_buckets(sum(len(r) for r in raw_records))
             batches = p | "RawRecords" >> beam.Create(list(raw_records), reshuffle=False)
-        read = batches | "KeyFrames" >> KeyFrames()
+        read = batches | "KeyFrames" >> KeyFrames(buckets=buckets)
         frames = read.frames
     if pending_path:
         pending_in = (p | "PendingFile" >> beam.Create([pending_path], reshuffle=False)
                       | "ReadPending" >> beam.ParDo(_ReadPendingFn()).with_output_types(Tuple[str, List[Event]])
-                      | "PendingFrames" >> EventsToFrames())
+                      | "PendingFrames" >> EventsToFrames(buckets=buckets))
         frames = (frames, pending_in) | "AllFrames" >> beam.Flatten()
     to_assemble = {"frames": frames}
     if local is not None:

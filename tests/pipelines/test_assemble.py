@@ -69,3 +69,35 @@ def test_streaming_assembler_sends_open_episodes_to_pending_at_end_of_input():
         assert_that(out.incomplete | beam.Map(lambda e: e.episode_id), equal_to([a[0].episode_id]), label="inc")
         assert_that(out.pending | beam.Map(lambda kv: (kv[0], len(kv[1]))),
                     equal_to([(b[0].episode_id, len(b) - 1)]), label="pending")
+
+
+def _raw_batches(eps, *, size: int):
+    """The episodes' events interleaved as Kafka record batches of ``size``; one record unkeyed, one garbled,
+    one re-delivered copy in a later batch."""
+    from pipelines.types import RawRecords
+    from schemas.codec import encode_event
+
+    evs = [ep[k] for k in range(max(map(len, eps))) for ep in eps if k < len(ep)]
+    recs = [(ev.episode_id.encode(), encode_event(ev)) for ev in evs]
+    recs[3] = (None, recs[3][1])            # no key: decoded to find its episode
+    recs.insert(5, (b"ep-x", b"TJ\x01"))     # truncated frame: a dead letter
+    recs.append(recs[7])                      # an at-least-once copy, batches later
+    return [RawRecords(topic="t", partition=0, offsets=list(range(i, i + len(chunk))), keys=[k for k, _ in chunk],
+                       values=[v for _, v in chunk], timestamps_ms=[0] * len(chunk))
+            for i, chunk in ((i, recs[i:i + size]) for i in range(0, len(recs), size))]
+
+
+def test_bucketed_shuffle_assembles_the_same_episodes_as_one_bucket():
+    from pipelines.frames import KeyFrames
+
+    eps = episodes(9, seed=21)
+    batches = _raw_batches(eps, size=7)  # episodes straddle batches
+    for buckets in (1, 4):  # assert_that checks each run when its pipeline finishes
+        with make_pipeline() as p:
+            read = p | f"Create{buckets}" >> beam.Create(batches) | KeyFrames(buckets=buckets)
+            out = read.frames | AssembleEpisodesFromFrames()
+            summary = out["episodes"] | beam.Map(lambda e: (e.episode_id, e.num_events, len(e.steps)))
+            assert_that(summary, equal_to([(ep[0].episode_id, len(ep), ep[-1].num_steps) for ep in eps]))
+            dead = (read.dead_letters, out["dead_letters"]) | beam.Flatten()
+            assert_that(dead | beam.Map(lambda d: (d.reason, d.source_offset)), equal_to([("truncated", 5)]),
+                        label="dead")
