@@ -59,8 +59,8 @@ from apache_beam.utils.timestamp import MAX_TIMESTAMP, MIN_TIMESTAMP, Duration, 
 from pipelines.types import METRICS_NAMESPACE, RawRecords
 from streams.config import KafkaConnection
 from streams.consumer import OffsetRange as KafkaOffsetRange
-from streams.consumer import ReadStalledError, end_offsets, partitions_for
-from streams.fetch import PartitionChunk, PartitionReader
+from streams.consumer import end_offsets, partitions_for
+from streams.fetch import PartitionChunk, PartitionReader, read_partition
 
 __all__ = [
     "ReadKafkaRange",
@@ -192,31 +192,17 @@ class _ReadRangeFn(_FetchDoFnBase):
     ) -> Iterator[RawRecords]:
         topic, partition = element[0], element[1]
         restriction = tracker.current_restriction()
-        pos = restriction.start
-        last_progress = time.monotonic()
-        while True:
-            stop = tracker.current_restriction().stop
-            if pos >= stop:
-                tracker.try_claim(stop)  # nothing (or only gaps) left: attempt past the end to finish
-                return
-            chunk = self._reader.fetch(topic, partition, pos).below(stop)
-            if chunk.next_offset <= pos:
-                if time.monotonic() - last_progress > self._stall_timeout_s:
-                    raise ReadStalledError(
-                        f"{topic}[{partition}] made no progress for {self._stall_timeout_s}s at offset "
-                        f"{pos} of [{restriction.start}, {stop}): the range is past the log's end, "
-                        "the topic was deleted, or the broker is gone",
-                        {(topic, partition): pos},
-                        [KafkaOffsetRange(topic=topic, partition=partition, start=pos, end=stop)],
-                    )
-                continue
-            last_progress = time.monotonic()
-            for batch, go_on in _claimed_batches(tracker, chunk, self._batch_size):
+        whole = KafkaOffsetRange(topic=topic, partition=partition, start=restriction.start, end=restriction.stop)
+        for chunk in read_partition(self._reader, whole, stall_timeout_s=self._stall_timeout_s):
+            stop = tracker.current_restriction().stop  # the runner may have split the restriction meanwhile
+            for batch, go_on in _claimed_batches(tracker, chunk.below(stop), self._batch_size):
                 self._count(batch)
                 yield batch
                 if not go_on:
                     return
-            pos = max(pos, chunk.next_offset)
+            if chunk.next_offset >= stop:
+                break
+        tracker.try_claim(tracker.current_restriction().stop)  # only gaps (or nothing) left: finish
 
 
 class _StreamWatermarks:

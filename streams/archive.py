@@ -38,6 +38,8 @@ from schemas.codec import EventDecodeError, decode_event
 from schemas.events import SCHEMA_VERSION, Event
 from schemas.storage import atomic_write, fsync_dir
 from streams.config import KafkaConnection
+from streams.consumer import OffsetRange, end_offsets
+from streams.fetch import PartitionReader, read_partition
 
 __all__ = [
     "ARCHIVE_FORMAT",
@@ -290,9 +292,6 @@ class Archiver:
 
     def run(self, *, until_end: bool = True, stop: threading.Event | None = None, poll_interval_s: float = 1.0) -> ArchiveCounts:
         """Archive until the end offsets seen at start (``until_end``) or until ``stop`` is set."""
-        from streams.consumer import OffsetRange, end_offsets
-        from streams.fetch import PartitionReader
-
         recover_archive(self.out)
         counts = ArchiveCounts()
         stop = stop or threading.Event()
@@ -312,9 +311,8 @@ class Archiver:
                 stop.wait(poll_interval_s)
         return counts
 
-    def _drain(self, ranges: list, reader: Any, counts: ArchiveCounts, stop: threading.Event) -> None:
-        from streams.fetch import read_partition
-
+    def _drain(self, ranges: list[OffsetRange], reader: PartitionReader, counts: ArchiveCounts,
+               stop: threading.Event) -> None:
         events: list[Event] = []
         positions: list[tuple[int, int]] = []
         covered: dict[int, list[int]] = {}

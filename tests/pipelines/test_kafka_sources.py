@@ -239,3 +239,20 @@ def test_stream_on_prism_sees_live_records_and_advances_the_watermark(tansu_brok
     # (read ~1 s after the other's) and the window dropped it as late; see docs/runners.md.
     assert 0 < _window_total(windows_dir) <= 2 * (n1 + n2)
     print(f"stream: phase 1 windows fired after {fired_at:.1f}s, job done after {time.monotonic() - t0:.1f}s")
+
+
+def test_stream_tracker_grants_checkpoints_only():
+    """Splitting ``[pos, sys.maxsize)`` at a fraction would give a reader offsets no log reaches (Prism asks)."""
+    import sys
+
+    from apache_beam.io.restriction_trackers import OffsetRange as BeamRange
+
+    from pipelines.sources_kafka import _OffsetRangeProvider
+
+    tracker = _OffsetRangeProvider(unbounded=True).create_tracker(BeamRange(10, sys.maxsize))
+    assert tracker.try_claim(10)
+    assert tracker.try_split(0.5) is None
+    primary, residual = tracker.try_split(0)
+    assert (primary.start, primary.stop, residual.start, residual.stop) == (10, 11, 11, sys.maxsize)
+    bounded = _OffsetRangeProvider(unbounded=False).create_tracker(BeamRange(0, 100))
+    assert bounded.try_split(0.5) is not None  # bounded ranges still split for parallelism
