@@ -248,7 +248,7 @@ class PartitionReader:
             if getattr(error, "retriable", False) or getattr(error, "invalid_metadata", False):
                 log.info("fetch %s[%d]@%d: %s; refreshing metadata", topic, partition, offset, error.__name__)
                 self._client.cluster.request_update()
-                return _empty(topic, partition, offset, data.high_watermark)
+                return _empty(topic, partition, offset)  # no high watermark: an error is not "caught up"
             raise FetchError(f"{topic}[{partition}]: the broker answered {error.__name__} ({error.description})")
         offsets: list[int] = []
         keys: list[bytes | None] = []
