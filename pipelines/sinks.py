@@ -14,9 +14,12 @@ Examples:
 
 from __future__ import annotations
 
+import collections
+import os
 import uuid
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Tuple
 
@@ -353,32 +356,68 @@ class _StageRowsFn(beam.DoFn):
 
 
 class _FinalizeShardFn(beam.DoFn):
-    """The parts of one (domain, shard) → its staged, normalized files (``prior ⊕ run_stats``)."""
+    """The parts of one (domain, shard) → its staged, normalized files (``prior ⊕ run_stats``).
+
+    A shard's work (read its parts, normalize, sort, Parquet-encode) is Arrow
+    and numpy code that releases the GIL, so the shards of a bundle run on a
+    small thread pool, up to ``threads`` at a time: on one worker that gets
+    several shards in a bundle (FnApiRunner gets all of them) they share the
+    cores. Results, and the metrics (which are per thread in Beam), are taken
+    in the bundle's own thread.
+    """
 
     def __init__(self, staging: str, version: str, commit: int, *, mode: str = "none", eps: float = 1e-6,
-                 prior: Mapping[str, RunningStats] | None = None) -> None:
+                 prior: Mapping[str, RunningStats] | None = None, threads: int | None = None) -> None:
         self._staging, self._version, self._commit = staging, version, commit
         self._mode, self._eps = mode, eps
         self._prior = dict(prior or {})
+        self._threads = threads
         self._steps = Metrics.counter(METRICS_NAMESPACE, "steps_written")
         self._trajs = Metrics.counter(METRICS_NAMESPACE, "trajectories_written")
         self._normalized = Metrics.counter(METRICS_NAMESPACE, "episodes_normalized")
 
+    def setup(self) -> None:
+        threads = self._threads or min(4, os.cpu_count() or 1)
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="finalize-shard")
+        self._in_flight_max = threads
+
+    def start_bundle(self) -> None:
+        self._in_flight: collections.deque[Future] = collections.deque()
+
     def process(self, element: tuple[tuple[str, int], Iterable[str]],
                 run_stats: Mapping[str, RunningStats]) -> Iterator[str]:
         (domain, shard), bases = element
-        bases = sorted(bases)
+        stats = NormState(recipe_hash="", stats=self._prior).merged(run_stats).stats
+        self._in_flight.append(self._pool.submit(self._finalize, domain, shard, sorted(bases), stats))
+        while len(self._in_flight) >= self._in_flight_max:  # bounds memory: one shard's tables per thread
+            yield from self._collect(self._in_flight.popleft())
+
+    def finish_bundle(self) -> Iterator[WindowedValue]:
+        window = GlobalWindow()
+        while self._in_flight:
+            for rel in self._collect(self._in_flight.popleft()):
+                yield WindowedValue(rel, window.max_timestamp(), [window])
+
+    def teardown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _collect(self, future: Future) -> list[str]:
+        files, n_steps, n_trajs = future.result()  # a shard's error fails the bundle here
+        self._steps.inc(n_steps)
+        self._trajs.inc(n_trajs)
+        self._normalized.inc(n_trajs)
+        return files
+
+    def _finalize(self, domain: str, shard: int, bases: list[str],
+                  stats: Mapping[str, RunningStats]) -> tuple[list[str], int, int]:
         trajs = pa.concat_tables([feather.read_table(f"{b}.trajectories.arrow", memory_map=True) for b in bases])
         steps = pa.concat_tables([feather.read_table(f"{b}.steps.arrow", memory_map=True) for b in bases])
-        stats = NormState(recipe_hash="", stats=self._prior).merged(run_stats).stats
-        yield from write_shard(self._staging, self._version, self._commit, domain, shard, trajs, steps,
-                               stats=stats, mode=self._mode, eps=self._eps)
+        files = write_shard(self._staging, self._version, self._commit, domain, shard, trajs, steps,
+                            stats=stats, mode=self._mode, eps=self._eps)
         for b in bases:
             for table in ("trajectories", "steps"):
                 Path(f"{b}.{table}.arrow").unlink(missing_ok=True)
-        self._steps.inc(steps.num_rows)
-        self._trajs.inc(trajs.num_rows)
-        self._normalized.inc(trajs.num_rows)
+        return files, steps.num_rows, trajs.num_rows
 
 
 def _write_incomplete(trajs: list[TrajectoryRow], staging: str, version: str, commit: int) -> Iterator[str]:
@@ -534,17 +573,17 @@ class WriteDatasets(beam.PTransform):
         incomplete_files = (
             pcolls["incomplete"]
             | "IncompleteRows" >> beam.Map(trajectory_row, recipe).with_output_types(TrajectoryRow)
-            | "CollectIncomplete" >> beam.combiners.ToList()
+            | "CollectIncomplete" >> beam.combiners.ToList().without_defaults()
             | "WriteIncomplete" >> beam.FlatMap(_write_incomplete, staging, version, commit)
         )
         dead_files = (
             pcolls["dead_letters"]
-            | "CollectDeadLetters" >> beam.combiners.ToList()
+            | "CollectDeadLetters" >> beam.combiners.ToList().without_defaults()
             | "WriteDeadLetters" >> beam.FlatMap(_write_dead_letters, staging, version, commit)
         )
         pending_files = (
             pcolls["pending"]
-            | "CollectPending" >> beam.combiners.ToList()
+            | "CollectPending" >> beam.combiners.ToList().without_defaults()
             | "WritePending" >> beam.FlatMap(_write_pending, staging)
         )
         stats_files = (
