@@ -19,7 +19,7 @@ import os
 import uuid
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Tuple
 
@@ -402,7 +402,14 @@ class _FinalizeShardFn(beam.DoFn):
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _collect(self, future: Future) -> list[str]:
-        files, n_steps, n_trajs = future.result()  # a shard's error fails the bundle here
+        try:
+            files, n_steps, n_trajs = future.result()
+        except BaseException:
+            # A shard's error fails the bundle, once the bundle's other shards have stopped writing:
+            # a retry on this instance must not race a thread still writing the same staged file.
+            wait(self._in_flight)
+            self._in_flight.clear()
+            raise
         self._steps.inc(n_steps)
         self._trajs.inc(n_trajs)
         self._normalized.inc(n_trajs)
