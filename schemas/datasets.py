@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 #: Version of the dataset row layout; recorded in every commit manifest.
-DATASET_SCHEMA_VERSION = 1
+DATASET_SCHEMA_VERSION = 2
 
 #: Hive partition keys, in directory order; never stored as file columns.
 PARTITION_KEYS: tuple[str, ...] = ("recipe", "domain")
@@ -56,6 +56,10 @@ class Verification(msgspec.Struct, kw_only=True, frozen=True, gc=False):
         details: human-readable detail (bounded).
         source: ``rollout`` (a ``step_verified`` event recorded at rollout time)
             or ``pipeline`` (computed by the trajectory job).
+        counted: the verdict is a vote in the step's verification score. Each
+            verifier votes once: a rollout verdict counts; the pipeline's re-run
+            of the same verifier does not (it records agreement); data-quality
+            checks (``pipeline.*``) never count.
     """
 
     verifier: str
@@ -63,6 +67,7 @@ class Verification(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     score: float
     details: str = ""
     source: str = "rollout"
+    counted: bool = True
 
 
 class StepRow(msgspec.Struct, kw_only=True, gc=False):
@@ -80,12 +85,24 @@ class StepRow(msgspec.Struct, kw_only=True, gc=False):
         policy_version: version of the behaviour policy that acted.
         status: how the episode ended (``success``, ``failure``, ...).
         num_steps: steps of the episode as written (after clipping).
-        observation_token_ids: tokens the policy saw new before this action
-            (context, not trained on), shape ``[obs_tokens]``, int32.
+        observation_token_ids: ids appended to the episode's context since the
+            previous action (step 0: the rendered prompt), exactly as the model
+            was fed them; context, not trained on. Shape ``[obs_tokens]``, int32.
+            The episode's token stream is ``obs_0 + act_0 + obs_1 + act_1 + ...``.
         action_token_ids: tokens the policy produced, shape ``[action_tokens]``, int32.
         behaviour_logprobs: log-prob of each action token under the behaviour
-            policy (natural log, <= 0), shape ``[action_tokens]``, float32; empty if
-            the rollout did not record them.
+            policy's sampling distribution (natural log, <= 0), shape
+            ``[action_tokens]``, float32; empty if the rollout did not record them.
+        temperature: sampling temperature of the behaviour log-probs (0: greedy,
+            the raw model distribution).
+        top_p: nucleus mass of the behaviour log-probs' distribution (1: none).
+        top_k: top-k cutoff of that distribution (-1 or 0: none).
+        context_cut_start: where tokens were cut out of the stream for this
+            step's input (see :class:`schemas.events.Step`).
+        context_cut_tokens: how many (0: the model saw the whole stream).
+        policy_lineage: lineage of the behaviour policy (empty: base/unknown).
+        trainable: the step may be trained on: its episode was judged (not cut
+            off by a timeout, error or shutdown) and the recipe keeps it.
         loss_mask: per action token, whether the loss uses it, shape ``[action_tokens]``.
         reward: per-step reward ``r_t`` from the recipe (after clipping limits;
             for the last kept step of a clipped episode it includes the folded tail).
@@ -95,9 +112,14 @@ class StepRow(msgspec.Struct, kw_only=True, gc=False):
         normalized_advantage: ``A_t`` normalized per the recipe's
             ``normalization`` mode (domain statistics or GRPO group).
         group_advantage: GRPO outcome advantage of the episode,
-            ``(G_0 - mean_group) / (std_group + eps)``, repeated on every step.
+            ``(G_0 - mean_group) / (std_group + eps)`` over the trainable
+            members of its complete group, repeated on every step (0 for a
+            group of one, and for untrainable episodes).
+        group_size: trainable members the group statistics were computed over.
         verifications: every verdict on this step (rollout-time and pipeline).
-        verification_score: mean score of the verdicts (0 if none).
+        verification_score: weighted mean score of the *counted* verdicts (0 if none).
+        verifier_disagreements: pipeline re-runs whose verdict differs from the
+            rollout's verdict of the same verifier.
         clipped: this step was changed by ClipTrajectories (tokens masked or tail folded in).
         event_time: event time of the step (UTC).
     """
@@ -116,14 +138,23 @@ class StepRow(msgspec.Struct, kw_only=True, gc=False):
     observation_token_ids: TokenIds
     action_token_ids: TokenIds
     behaviour_logprobs: LogProbs
+    temperature: float
+    top_p: float
+    top_k: int
+    context_cut_start: int
+    context_cut_tokens: int
+    policy_lineage: str
+    trainable: bool
     loss_mask: list[bool]
     reward: float
     return_to_go: float
     advantage: float
     normalized_advantage: float
     group_advantage: float
+    group_size: int
     verifications: list[Verification]
     verification_score: float
+    verifier_disagreements: int
     clipped: bool
     event_time: datetime
 
@@ -146,6 +177,12 @@ class TrajectoryRow(msgspec.Struct, kw_only=True, gc=False):
         policy_version: version of the behaviour policy.
         difficulty: task difficulty level from ``episode_started`` (0 if unknown).
         status: ``episode_finished.status``, or ``incomplete``.
+        termination: why it stopped (:class:`schemas.events.Termination`
+            value; empty when incomplete).
+        trainable: judged and kept by the recipe: its steps may be trained on
+            and it enters the normalization statistics.
+        excluded_reason: why a complete episode is not trainable: ``timeout``,
+            ``error``, ``aborted`` (cut off, no verdict) or ``no_steps``.
         complete: the episode is gap-free and finished (it has rows in ``steps/``).
         incomplete_reason: ``unfinished``, ``gap`` or ``no_start`` when not complete.
         num_events: distinct events the episode is made of.
@@ -159,7 +196,16 @@ class TrajectoryRow(msgspec.Struct, kw_only=True, gc=False):
         normalized_return: ``(G_0 - mean_domain) / (std_domain + eps)`` with the
             domain's persisted return statistics.
         group_advantage: ``(G_0 - mean_group) / (std_group + eps)`` (GRPO).
+        group_size: episodes the scheduler started in the group (0: not declared).
+        group_member: this episode's index in its group.
+        group_members: trainable members the group statistics were computed over.
+        group_timed_out: the group was closed by its timeout before all
+            ``group_size`` members arrived.
+        policy_lineage: lineage of the behaviour policy.
         verifier_summary: ``episode_finished.verifier_summary``.
+        verifier_disagreements: pipeline re-runs that disagreed with a rollout verdict.
+        completed_late: an earlier commit reported the episode incomplete; late
+            events completed it.
         steps_passed: steps whose verdicts all passed.
         first_event_time: earliest event time (UTC).
         last_event_time: latest event time (UTC).
@@ -174,6 +220,9 @@ class TrajectoryRow(msgspec.Struct, kw_only=True, gc=False):
     policy_version: int
     difficulty: int
     status: str
+    termination: str
+    trainable: bool
+    excluded_reason: str | None
     complete: bool
     incomplete_reason: str | None
     num_events: int
@@ -186,7 +235,14 @@ class TrajectoryRow(msgspec.Struct, kw_only=True, gc=False):
     episode_return: float
     normalized_return: float
     group_advantage: float
+    group_size: int
+    group_member: int
+    group_members: int
+    group_timed_out: bool
+    policy_lineage: str
     verifier_summary: str
+    verifier_disagreements: int
+    completed_late: bool
     steps_passed: int
     first_event_time: datetime
     last_event_time: datetime

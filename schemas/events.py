@@ -34,6 +34,8 @@ __all__ = [
     "TokenIds",
     "LogProbs",
     "EpisodeStatus",
+    "Termination",
+    "JUDGED_TERMINATIONS",
     "SamplingParams",
     "Event",
     "EpisodeStarted",
@@ -45,13 +47,14 @@ __all__ = [
     "AnyEvent",
     "EVENT_TYPES",
     "make_event_id",
+    "termination_of",
     "utc_now",
 ]
 
 #: Version of the event model this code writes. Bump it (and run
 #: ``python -m schemas.evolution --record``) whenever a field is added; see
 #: docs/schema-evolution.md for the rules.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class TokenIds(np.ndarray):
@@ -123,6 +126,23 @@ class EpisodeStatus(str, enum.Enum):
 
     SUCCESS = "success"
     FAILURE = "failure"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+    ABORTED = "aborted"
+
+
+class Termination(str, enum.Enum):
+    """Why an episode stopped (``EpisodeFinished.termination``).
+
+    ``done`` and ``max_steps`` episodes were judged by the environment: their
+    ``outcome_reward`` is a verdict. ``timeout``, ``error`` and ``aborted``
+    episodes were cut off by the infrastructure (wall-clock budget, a failure,
+    a worker shutdown) and carry no verdict: their ``outcome_reward`` of 0 is
+    not an outcome, so datasets exclude them from training and statistics.
+    """
+
+    DONE = "done"
+    MAX_STEPS = "max_steps"
     TIMEOUT = "timeout"
     ERROR = "error"
     ABORTED = "aborted"
@@ -206,8 +226,19 @@ class EpisodeStarted(Event, tag="episode_started"):
         env_config: environment configuration (JSON document): limits, image, tools.
         difficulty: task difficulty level, 0 = easiest.
         prompt: the initial prompt shown to the policy.
-        sampling: sampling parameters for the whole episode.
-        task_group: group of rollouts of the same task (for GRPO-style group baselines).
+        sampling: sampling parameters for the whole episode; the behaviour
+            log-probs of its steps are log-probs of this distribution (after
+            temperature, top-k and top-p; raw model log-probs when greedy).
+        task_group: id of the group of rollouts this episode belongs to (GRPO
+            baselines): ``<task_id>@v<policy_version>#<round>`` for groups the
+            scheduler formed; empty means the task id.
+        group_size: episodes the scheduler started in ``task_group`` (0: not
+            declared, e.g. events written before schema version 2).
+        group_member: index of this episode in its group, ``0..group_size-1``
+            (part of its sampling seed, so members draw different samples).
+        policy_lineage: lineage of the acting policy: the id of the chain of
+            published versions it belongs to (empty: the base model or unknown).
+            Staleness is measured only within one lineage.
     """
 
     task_spec: str
@@ -216,6 +247,9 @@ class EpisodeStarted(Event, tag="episode_started"):
     prompt: str = ""
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     task_group: str = ""
+    group_size: int = 0
+    group_member: int = 0
+    policy_lineage: str = ""
 
 
 class Step(Event, tag="step"):
@@ -223,10 +257,20 @@ class Step(Event, tag="step"):
 
     Attributes:
         step_index: 0-based index of the step inside the episode.
-        observation: what the policy saw new since its last action (prompt delta).
-        observation_token_ids: tokens of ``observation`` (context, not trained on).
+        observation: what the policy saw new since its last action (for step 0
+            empty: its input is ``EpisodeStarted.prompt``), as text.
+        observation_token_ids: the token ids appended to the episode's context
+            since the previous action, exactly as the model was fed them: for
+            step 0 the rendered prompt (chat template applied once), for later
+            steps the previous turn's closing markers plus the observation turn
+            and the next assistant marker. Concatenating ``observation_token_ids``
+            and ``action_token_ids`` of steps ``0..k`` gives the episode's token
+            stream; the model's input at step ``k`` is that stream up to step
+            ``k``'s observation, minus the context cut below. Empty when the
+            policy has no tokenizer (scripted rollouts without ``--model``).
         action_text: what the policy produced.
-        action_token_ids: tokens of ``action_text``, shape ``[action_tokens]``.
+        action_token_ids: the ids the model generated, shape ``[action_tokens]``
+            (including the end-of-sequence token when it stopped on one).
         behaviour_logprobs: per-token log-prob of each action token under the
             behaviour policy, shape ``[action_tokens]``.
         tool_name: tool the action invoked, if any.
@@ -234,8 +278,14 @@ class Step(Event, tag="step"):
         tool_result: the tool's output (bounded), if any.
         exit_status: exit status of the executed command, if any.
         latency_ms: wall time of policy + environment for this step, milliseconds.
-        prompt_tokens: number of prompt tokens the policy consumed this step.
+        prompt_tokens: number of prompt tokens the policy consumed this step
+            (the length of its input after any context cut).
         action_tokens: number of generated tokens (== len(action_token_ids)).
+        context_cut_start: position in the episode's token stream where tokens
+            were cut out of this step's input to fit the model's context.
+        context_cut_tokens: how many tokens were cut there (0: the model saw
+            the whole stream). The input was ``stream[:context_cut_start] +
+            stream[context_cut_start + context_cut_tokens:]``.
     """
 
     step_index: int
@@ -251,9 +301,13 @@ class Step(Event, tag="step"):
     latency_ms: float = 0.0
     prompt_tokens: int = 0
     action_tokens: int = 0
+    context_cut_start: int = 0
+    context_cut_tokens: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.context_cut_start < 0 or self.context_cut_tokens < 0:
+            raise ValueError("`context_cut_start` and `context_cut_tokens` must be >= 0")
         self.observation_token_ids = as_token_ids(self.observation_token_ids)
         self.action_token_ids = as_token_ids(self.action_token_ids)
         self.behaviour_logprobs = as_logprobs(self.behaviour_logprobs)
@@ -292,12 +346,16 @@ class EpisodeFinished(Event, tag="episode_finished"):
         outcome_reward: the outcome reward from the final verifier.
         num_steps: number of ``step`` events the episode emitted.
         verifier_summary: summary of the outcome verification.
+        termination: why it stopped, a :class:`Termination` value (empty in
+            events written before schema version 2: readers derive it from
+            ``status``, see :func:`termination_of`).
     """
 
     status: EpisodeStatus
     outcome_reward: float = 0.0
     num_steps: int = 0
     verifier_summary: str = ""
+    termination: str = ""
 
 
 class Feedback(Event, tag="feedback"):
@@ -330,6 +388,9 @@ class PolicyPublished(Event, tag="policy_published"):
         parent_version: the version it was trained from, if any.
         base_model: the base model it descends from.
         train_step: trainer step at which it was saved.
+        lineage: id of the chain of versions it belongs to (one training run
+            and its resumptions); every version of a lineage descends from the
+            previous one. Staleness is measured within one lineage.
     """
 
     version: int
@@ -337,6 +398,28 @@ class PolicyPublished(Event, tag="policy_published"):
     parent_version: int | None = None
     base_model: str = ""
     train_step: int = 0
+    lineage: str = ""
+
+
+#: Terminations whose outcome reward is an environment verdict.
+JUDGED_TERMINATIONS = frozenset({Termination.DONE.value, Termination.MAX_STEPS.value})
+
+
+def termination_of(finished: EpisodeFinished) -> str:
+    """The episode's :class:`Termination` value, derived from ``status`` for events without one.
+
+    Examples:
+        >>> fin = EpisodeFinished(event_id="e", episode_id="ep", seq=3, producer_id="w", domain="math",
+        ...                       task_id="t", status=EpisodeStatus.TIMEOUT)
+        >>> termination_of(fin)
+        'timeout'
+        >>> termination_of(msgspec.structs.replace(fin, status=EpisodeStatus.SUCCESS))
+        'done'
+    """
+    if finished.termination:
+        return finished.termination
+    return {EpisodeStatus.TIMEOUT: "timeout", EpisodeStatus.ERROR: "error",
+            EpisodeStatus.ABORTED: "aborted"}.get(finished.status, "done")
 
 
 AnyEvent = Union[EpisodeStarted, Step, StepVerified, EpisodeFinished, Feedback, PolicyPublished]
