@@ -15,10 +15,20 @@ environment's answer to the previous action; empty for step 0, whose input is
 ``tool_args`` holds the command (JSON), ``tool_result`` the bounded
 stdout/stderr, exit status, limit flags and ``files_changed`` (JSON).
 
+Token-in, token-out: for a policy with a tokenizer (``policy.chat``), the
+episode keeps its context as token ids (:class:`rollout.context.TokenContext`):
+the policy is fed exactly those ids, and each ``Step`` records the ids appended
+since the previous action as ``observation_token_ids`` (step 0: the rendered
+prompt) plus any context cut, so the recorded steps rebuild, id for id, what
+the model was fed (:func:`rollout.context.model_input_of`).
+
 Environment failures (sandbox down, internal errors) and policy failures end
 the episode with status ``error``; passing ``episode_timeout_s`` ends it with
 status ``timeout``. Either way the episode is closed by an ``EpisodeFinished``
 event, so downstream never sees a dangling episode from a worker that lived.
+``EpisodeFinished.termination`` says why it stopped: ``done`` (the environment
+ended it), ``max_steps`` (the step budget ran out; the environment still judges
+the work), ``timeout`` or ``error`` (no verdict).
 
 ``emit`` is typically :meth:`streams.producer.EventProducer.emit`.
 """
@@ -31,10 +41,20 @@ from typing import Callable
 
 import msgspec
 
+from rollout.context import TokenContext
 from rollout.envs.base import Environment, EnvironmentFailure, Task, dump_json
 from rollout.policies.base import Message, Policy, PolicyContext
 from rollout.sandbox import SandboxError
-from schemas.events import EpisodeFinished, EpisodeStarted, EpisodeStatus, Event, Step, StepVerified, make_event_id
+from schemas.events import (
+    EpisodeFinished,
+    EpisodeStarted,
+    EpisodeStatus,
+    Event,
+    Step,
+    StepVerified,
+    Termination,
+    make_event_id,
+)
 
 __all__ = ["EpisodeSummary", "run_episode", "MAX_OBSERVATION_CHARS"]
 
@@ -83,6 +103,9 @@ def run_episode(
     max_steps: int,
     emit: Callable[[Event], None],
     task_group: str = "",
+    group_size: int = 0,
+    group_member: int = 0,
+    sample: str = "",
     episode_timeout_s: float | None = None,
 ) -> EpisodeSummary:
     """Run ``policy`` on ``task`` in ``env`` and emit the episode's events through ``emit``.
@@ -96,6 +119,10 @@ def run_episode(
         max_steps: the episode ends after this many steps; ``env.outcome()`` judges it.
         emit: called with every event in ``seq`` order.
         task_group: group id shared by rollouts of the same task (GRPO baselines).
+        group_size: episodes started in the group (0: not a declared group).
+        group_member: this episode's index in its group.
+        sample: the sample key mixed into the policy's sampling seed (group
+            round, member, attempt), so group members draw different actions.
         episode_timeout_s: wall-clock budget; checked between steps (each step is
             bounded by the environment's own command timeouts).
 
@@ -121,6 +148,7 @@ def run_episode(
         seq += 1
 
     status: EpisodeStatus | None = None
+    termination: Termination | None = None
     error: str | None = None
     env_error = False
     try:
@@ -128,8 +156,12 @@ def run_episode(
     except (EnvironmentFailure, SandboxError) as err:
         prompt, status, error, env_error = task.prompt, EpisodeStatus.ERROR, f"reset failed: {err}", True
     _emit(EpisodeStarted, task_spec=dump_json(task.spec), env_config=dump_json(env.config()),
-          difficulty=task.difficulty, prompt=prompt, sampling=policy.sampling, task_group=task_group)
+          difficulty=task.difficulty, prompt=prompt, sampling=policy.sampling, task_group=task_group,
+          group_size=group_size, group_member=group_member, policy_lineage=getattr(policy, "policy_lineage", ""))
 
+    chat = getattr(policy, "chat", None)
+    tokens = TokenContext(chat, max_prompt_tokens=policy.max_prompt_tokens) if chat is not None else None
+    observation_ids = tokens.begin(prompt) if tokens is not None else []
     messages = [Message("user", prompt)]
     observation = ""
     num_steps = 0
@@ -138,8 +170,10 @@ def run_episode(
             status, error = EpisodeStatus.TIMEOUT, f"episode exceeded {episode_timeout_s}s"
             break
         t0 = time.monotonic()
+        window = tokens.model_input() if tokens is not None else None
         try:
-            action = policy.act(PolicyContext(task=task, messages=list(messages), step_index=num_steps))
+            action = policy.act(PolicyContext(task=task, messages=list(messages), step_index=num_steps,
+                                              prompt_ids=window.ids if window is not None else None, sample=sample))
         except Exception as err:  # noqa: BLE001 - any policy crash ends this episode, not the worker
             log.exception("policy failed in episode %s", episode_id)
             status, error = EpisodeStatus.ERROR, f"policy failed: {type(err).__name__}: {err}"
@@ -155,28 +189,38 @@ def run_episode(
             break
         latency_ms = (time.monotonic() - t0) * 1000.0
         _emit(Step, step_index=num_steps, observation=observation[:MAX_OBSERVATION_CHARS],
-              action_text=action.text, action_token_ids=action.token_ids, behaviour_logprobs=action.logprobs,
-              tool_name=out.tool_name, tool_args=out.tool_args, tool_result=out.tool_result,
-              exit_status=out.exit_status, latency_ms=latency_ms, prompt_tokens=action.prompt_tokens)
+              observation_token_ids=observation_ids, action_text=action.text, action_token_ids=action.token_ids,
+              behaviour_logprobs=action.logprobs, tool_name=out.tool_name, tool_args=out.tool_args,
+              tool_result=out.tool_result, exit_status=out.exit_status, latency_ms=latency_ms,
+              prompt_tokens=action.prompt_tokens,
+              context_cut_start=window.cut_start if window is not None else 0,
+              context_cut_tokens=window.cut_tokens if window is not None else 0)
         for verdict in out.verdicts:
             _emit(StepVerified, step_index=num_steps, verifier=verdict.verifier, passed=verdict.passed,
                   score=verdict.score, details=verdict.details)
         num_steps += 1
         messages += [Message("assistant", action.text), Message("tool", out.observation)]
         observation = out.observation
+        if tokens is not None:
+            tokens.add_action(action.token_ids)
+            observation_ids = tokens.add_observation(out.observation)
         if out.done:
+            termination = Termination.DONE
             break
 
     reward, summary = 0.0, error or ""
     if status is None:
+        termination = termination or Termination.MAX_STEPS
         try:
             outcome = env.outcome()
             status, reward, summary = EpisodeStatus(outcome.status), outcome.reward, outcome.summary
         except (EnvironmentFailure, SandboxError) as err:
             status, error, env_error = EpisodeStatus.ERROR, f"final verification failed: {err}", True
             summary = error
+    if status in (EpisodeStatus.ERROR, EpisodeStatus.TIMEOUT):
+        termination = Termination(status.value)
     _emit(EpisodeFinished, status=status, outcome_reward=reward, num_steps=num_steps,
-          verifier_summary=summary[:1000])
+          verifier_summary=summary[:1000], termination=termination.value)
     return EpisodeSummary(episode_id=episode_id, task_id=task.task_id, domain=task.domain, status=status,
                           reward=reward, num_steps=num_steps, num_events=seq,
                           duration_ms=(time.monotonic() - started) * 1000.0, env_error=env_error, error=error)

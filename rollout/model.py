@@ -37,9 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 __all__ = [
     "BOS_TOKEN",
@@ -50,7 +48,6 @@ __all__ = [
     "build_corpus",
     "build_tokenizer",
     "count_parameters",
-    "encode_conversation",
     "init_tiny_model",
     "step_seed",
 ]
@@ -254,56 +251,24 @@ def init_tiny_model(
     return out
 
 
-def encode_conversation(tokenizer: Any, messages: Sequence[Any], *, max_prompt_tokens: int) -> list[int]:
-    """Prompt token ids of a conversation, ending with the assistant's turn marker.
-
-    Renders ``messages`` (objects with ``role`` and ``content``, e.g.
-    :class:`rollout.policies.base.Message`) with the tokenizer's chat template
-    (``add_generation_prompt=True``), or as ``role: content`` lines if it has
-    none, and encodes the text without adding special tokens (the template
-    already starts with BOS). Both model policies (and anything that re-scores
-    their actions) build prompts here, so they see identical token ids.
-
-    A prompt longer than ``max_prompt_tokens`` keeps its first token (BOS) and
-    its **last** ``max_prompt_tokens - 1`` tokens: the newest observations
-    matter most to the next action, and the model's context is finite.
-
-    Args:
-        tokenizer: a ``transformers`` tokenizer.
-        messages: the conversation so far.
-        max_prompt_tokens: longest prompt, tokens (>= 2).
-
-    Returns:
-        The token ids.
-
-    Raises:
-        ValueError: ``max_prompt_tokens < 2``.
-    """
-    if max_prompt_tokens < 2:
-        raise ValueError(f"`max_prompt_tokens` must be >= 2, got {max_prompt_tokens}")
-    turns = [{"role": m.role, "content": m.content} for m in messages]
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    else:
-        text = "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant: "
-    ids = list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
-    if len(ids) > max_prompt_tokens:
-        ids = ids[:1] + ids[len(ids) - (max_prompt_tokens - 1):]
-    return ids
-
-
-def step_seed(seed: int, task_id: str, step_index: int) -> int:
-    """Sampling seed of one policy call: a hash of (policy seed, task, step), in ``[0, 2**31)``.
+def step_seed(seed: int, task_id: str, step_index: int, *, sample: str = "") -> int:
+    """Sampling seed of one policy call: a hash of (policy seed, task, sample, step), in ``[0, 2**31)``.
 
     Independent of the order episodes run in, so a rollout is reproducible at
-    any concurrency. The same task at the same step with the same seed samples
-    the same action; use different policy seeds for independent samples of one task.
+    any concurrency. ``sample`` names which sample of the task this episode is
+    (the scheduler's group round, the member index in the group, the retry
+    attempt): the members of a GRPO group draw different actions from the same
+    prompt, while the same (seed, task, sample, step) always samples the same
+    action.
 
     Examples:
         >>> step_seed(0, "math-d0-abc", 1) == step_seed(0, "math-d0-abc", 1)
         True
         >>> step_seed(0, "math-d0-abc", 1) == step_seed(1, "math-d0-abc", 1)
         False
+        >>> step_seed(0, "math-d0-abc", 1, sample="0.0.0") == step_seed(0, "math-d0-abc", 1, sample="0.1.0")
+        False
     """
-    digest = hashlib.blake2b(f"{seed}\x1f{task_id}\x1f{step_index}".encode(), digest_size=8).digest()
+    key = f"{seed}\x1f{task_id}\x1f{step_index}" + (f"\x1f{sample}" if sample else "")
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % (1 << 31)

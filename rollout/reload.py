@@ -63,7 +63,7 @@ class ReloadablePolicy(Policy, Protocol):
 
     reload_in_place: bool
 
-    def reload(self, location: str, version: int) -> Policy: ...
+    def reload(self, location: str, version: int, *, lineage: str = "") -> Policy: ...
 
 
 class PolicyNotReloadableError(TypeError):
@@ -71,7 +71,8 @@ class PolicyNotReloadableError(TypeError):
 
 
 def make_policy_published(*, version: int, location: str, producer_id: str, parent_version: int | None = None,
-                          base_model: str = "", train_step: int = 0, domain: str = "*") -> PolicyPublished:
+                          base_model: str = "", train_step: int = 0, domain: str = "*",
+                          lineage: str = "") -> PolicyPublished:
     """The control event announcing policy ``version`` stored at ``location``.
 
     ``episode_id`` is ``policy-<version>`` and ``seq`` 0, so a re-publication of
@@ -81,12 +82,15 @@ def make_policy_published(*, version: int, location: str, producer_id: str, pare
     return PolicyPublished(
         event_id=make_event_id(episode_id, 0), episode_id=episode_id, seq=0, producer_id=producer_id,
         domain=domain, task_id="", policy_version=version, version=version, location=location,
-        parent_version=parent_version, base_model=base_model, train_step=train_step,
+        parent_version=parent_version, base_model=base_model, train_step=train_step, lineage=lineage,
     )
 
 
 def reload_policy(policy: Policy, event: PolicyPublished) -> Policy:
     """Load ``event``'s weights into ``policy`` (or a new policy); returns the policy to use from now on.
+
+    The policy takes the event's version and lineage: episodes it acts in are
+    stamped with both.
 
     Raises:
         PolicyNotReloadableError: the policy has no ``reload`` (e.g. scripted).
@@ -97,7 +101,7 @@ def reload_policy(policy: Policy, event: PolicyPublished) -> Policy:
             f"{type(policy).__name__} cannot load policy version {event.version}; run the worker with "
             "--policy hf or --policy vllm to follow published versions"
         )
-    return policy.reload(event.location, event.version)
+    return policy.reload(event.location, event.version, lineage=event.lineage)
 
 
 class PolicyFollower:

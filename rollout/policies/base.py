@@ -4,6 +4,13 @@ A policy sees the conversation so far (:class:`PolicyContext`) and returns one
 :class:`Action`: the text plus what the trainer needs to learn from it (token
 ids, the behaviour policy's per-token log-probs, the prompt size, the sampling
 parameters).
+
+Token-in, token-out: a policy with a tokenizer exposes a ``chat``
+(:class:`rollout.context.ChatEncoder`) and ``max_prompt_tokens``; the episode
+runner then keeps the episode's context as token ids
+(:class:`rollout.context.TokenContext`) and hands the policy the exact ids to
+feed the model in ``PolicyContext.prompt_ids``, so past turns are never
+re-tokenized and what the step records is what the model saw.
 """
 
 from __future__ import annotations
@@ -39,11 +46,17 @@ class PolicyContext(msgspec.Struct, kw_only=True):
             the scripted reference solver also reads ``task.spec``.
         messages: the conversation so far: prompt, then alternating actions and observations.
         step_index: index of the step about to be taken (0-based).
+        prompt_ids: the exact token ids to feed the model (the episode's token
+            context, cut to fit); None for policies without a tokenizer.
+        sample: which sample of the task this episode is (group round, member
+            index, attempt); model policies mix it into the sampling seed.
     """
 
     task: Task
     messages: list[Message]
     step_index: int
+    prompt_ids: list[int] | None = None
+    sample: str = ""
 
 
 class Action(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,7 +85,13 @@ class Action(msgspec.Struct, frozen=True, kw_only=True):
 
 @runtime_checkable
 class Policy(Protocol):
-    """A policy: ``act(context) -> Action``; ``policy_version`` names the weights that acted."""
+    """A policy: ``act(context) -> Action``; ``policy_version`` names the weights that acted.
+
+    Optional attributes the episode runner reads: ``chat`` and
+    ``max_prompt_tokens`` (token-in, token-out context, see the module
+    docstring) and ``policy_lineage`` (the lineage of published versions the
+    weights belong to; empty for a base model).
+    """
 
     policy_version: int
     sampling: SamplingParams

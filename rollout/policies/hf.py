@@ -1,7 +1,9 @@
 """A ``transformers`` policy: ``model.generate`` with seeded sampling and per-token logprobs.
 
-:class:`HFPolicy` renders the conversation with the model's chat template
-(:func:`rollout.model.encode_conversation`), samples one action with
+:class:`HFPolicy` feeds the model the episode's token context exactly as the
+episode runner keeps it (``PolicyContext.prompt_ids``: the chat template applied
+once to the prompt, then the generated ids and each observation's own
+tokenization, see :mod:`rollout.context`), samples one action with
 ``generate(do_sample=True, output_scores=True, return_dict_in_generate=True)``
 and records, for every generated token, its log-probability under the
 **sampling distribution**.
@@ -25,8 +27,9 @@ log-prob is part of the action: stopping is a decision the trainer learns);
 ``Action.text`` is decoded without special tokens.
 
 Sampling is seeded per call with :func:`rollout.model.step_seed` (policy
-seed, task id, step index); ``generate`` draws from torch's global RNG, so
-calls are serialised by a lock and run under ``torch.random.fork_rng``.
+seed, task id, the episode's sample key — group round, member, attempt — and
+step index); ``generate`` draws from torch's global RNG, so calls are
+serialised by a lock and run under ``torch.random.fork_rng``.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from typing import Any
 
 import msgspec
 
-from rollout.model import encode_conversation, step_seed
+from rollout.context import ChatEncoder, prompt_ids_of
+from rollout.model import step_seed
 from rollout.policies.base import Action, PolicyContext
 from schemas.events import SamplingParams
 
@@ -110,9 +114,10 @@ class HFPolicy:
         tokenizer: its tokenizer (with a chat template, or plain ``role: content`` prompts).
         sampling: temperature, top-p, top-k, ``max_tokens`` (new tokens per action), base seed.
         policy_version: version recorded on the events (0 = base model).
-        max_model_len: context length; prompts are cut to ``max_model_len - max_tokens``
-            (default: the model's ``max_position_embeddings``).
+        max_model_len: context length; the episode's context is cut to
+            ``max_model_len - max_tokens`` (default: the model's ``max_position_embeddings``).
         location: where the weights came from (for logs and reloads).
+        policy_lineage: lineage of published versions the weights belong to (empty: base).
 
     Raises:
         ValueError: the context cannot hold a prompt plus ``max_tokens``.
@@ -121,11 +126,13 @@ class HFPolicy:
     reload_in_place = False
 
     def __init__(self, model: Any, tokenizer: Any, *, sampling: SamplingParams, policy_version: int = 0,
-                 max_model_len: int | None = None, location: str = "") -> None:
+                 max_model_len: int | None = None, location: str = "", policy_lineage: str = "") -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.chat = ChatEncoder.from_tokenizer(tokenizer)
         self.sampling = sampling
         self.policy_version = policy_version
+        self.policy_lineage = policy_lineage
         self.location = location
         self.max_model_len = max_model_len or int(model.config.max_position_embeddings)
         self.max_prompt_tokens = self.max_model_len - sampling.max_tokens
@@ -138,7 +145,7 @@ class HFPolicy:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, sampling: SamplingParams, policy_version: int = 0,
-                        max_model_len: int | None = None) -> HFPolicy:
+                        max_model_len: int | None = None, policy_lineage: str = "") -> HFPolicy:
         """Load model and tokenizer from a directory (float32 on CPU).
 
         Raises:
@@ -154,9 +161,9 @@ class HFPolicy:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         return cls(model, tokenizer, sampling=sampling, policy_version=policy_version,
-                   max_model_len=max_model_len, location=str(path))
+                   max_model_len=max_model_len, location=str(path), policy_lineage=policy_lineage)
 
-    def reload(self, location: str, version: int) -> HFPolicy:
+    def reload(self, location: str, version: int, *, lineage: str = "") -> HFPolicy:
         """A new policy with the weights at ``location``; this one stays usable.
 
         Episodes in flight keep the old object (and version) until they end.
@@ -171,15 +178,15 @@ class HFPolicy:
         # checkpoint need not carry one).
         model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32)
         return HFPolicy(model, self.tokenizer, sampling=self.sampling, policy_version=version,
-                        max_model_len=self.max_model_len, location=str(location))
+                        max_model_len=self.max_model_len, location=str(location), policy_lineage=lineage)
 
     def prompt_ids(self, context: PolicyContext) -> list[int]:
-        """Token ids of the prompt this policy would see for ``context``."""
-        return encode_conversation(self.tokenizer, context.messages, max_prompt_tokens=self.max_prompt_tokens)
+        """Token ids this policy feeds the model for ``context`` (:func:`rollout.context.prompt_ids_of`)."""
+        return prompt_ids_of(context, self.chat, max_prompt_tokens=self.max_prompt_tokens)
 
     def act(self, context: PolicyContext) -> Action:
-        """Sample the next action for ``context`` (seeded by task id and step index)."""
-        seed = step_seed(self.sampling.seed or 0, context.task.task_id, context.step_index)
+        """Sample the next action for ``context`` (seeded by task id, sample key and step index)."""
+        seed = step_seed(self.sampling.seed or 0, context.task.task_id, context.step_index, sample=context.sample)
         return self.generate(self.prompt_ids(context), seed=seed)
 
     def generate(self, prompt_ids: list[int], *, seed: int) -> Action:

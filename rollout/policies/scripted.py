@@ -13,16 +13,24 @@ fails half-way or writes wrong output. Noise draws are seeded by
 (``seed``, task id, step index), so a rollout is reproducible regardless of
 the order episodes run in.
 
-Tokens: the action text's UTF-8 bytes are its token ids (0..255), a simple
-deterministic byte-level scheme; every log-prob is 0.0 (the solver is
-deterministic, probability 1); ``prompt_tokens`` counts the bytes of the whole
-conversation so far.
+Tokens: with a ``tokenizer`` (``trajpipe rollout --policy scripted --model
+DIR``) the solver speaks the model's token language: each action is the
+tokenizer's ids of its text followed by the end-of-sequence id, and the episode
+runner records the token context exactly as for a model policy (chat template,
+:mod:`rollout.context`), so scripted demonstrations are token-faithful samples
+a behaviour-cloning run can train on (the offline warm start). Without one,
+the action text's UTF-8 bytes are its token ids (0..255) and no context is
+recorded (the trainer skips such episodes). Every log-prob is 0.0: the solver
+is deterministic, so the behaviour probability of its action is 1.
 """
 
 from __future__ import annotations
 
 import random
 
+from typing import Any
+
+from rollout.context import ChatEncoder
 from rollout.envs.docqa_env import compute_answer, parse_table
 from rollout.envs.tools_env import reference_commands
 from rollout.policies.base import Action, Message, PolicyContext
@@ -64,15 +72,22 @@ class ScriptedPolicy:
         policy_version: version recorded on the events (0 = base).
         max_code_attempts: how many times it rewrites code before submitting anyway.
         max_check_attempts: how many times it re-runs the tools pipeline after a failed check.
+        tokenizer: a ``transformers`` tokenizer to speak (None: byte tokens, no context).
+        max_prompt_tokens: with a tokenizer, the longest recorded model input
+            (the episode's context is cut to it, as a model policy's would be).
 
     Raises:
         ValueError: ``noise`` outside [0, 1].
     """
 
     def __init__(self, *, noise: float = 0.0, seed: int = 0, policy_version: int = 0,
-                 max_code_attempts: int = 3, max_check_attempts: int = 2) -> None:
+                 max_code_attempts: int = 3, max_check_attempts: int = 2, tokenizer: Any = None,
+                 max_prompt_tokens: int = 1536) -> None:
         if not 0.0 <= noise <= 1.0:
             raise ValueError(f"`noise` must be in [0, 1], got {noise}")
+        self.tokenizer = tokenizer
+        self.chat = ChatEncoder.from_tokenizer(tokenizer) if tokenizer is not None else None
+        self.max_prompt_tokens = max_prompt_tokens
         self.noise = noise
         self.seed = seed
         self.policy_version = policy_version
@@ -89,8 +104,13 @@ class ScriptedPolicy:
         if solver is None:
             raise ValueError(f"ScriptedPolicy has no solver for domain {domain!r}")
         text = solver(context.task.spec, _turns(context.messages), wrong, rng)
-        tokens = byte_tokenize(text)
-        prompt_tokens = sum(len(m.content.encode("utf-8")) for m in context.messages)
+        if self.tokenizer is not None:
+            tokens = list(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+            tokens.append(self.tokenizer.eos_token_id)
+            prompt_tokens = len(context.prompt_ids or ())
+        else:
+            tokens = byte_tokenize(text)
+            prompt_tokens = sum(len(m.content.encode("utf-8")) for m in context.messages)
         return Action(text=text, token_ids=tokens, logprobs=[0.0] * len(tokens),
                       prompt_tokens=prompt_tokens, sampling=self.sampling)
 

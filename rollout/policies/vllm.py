@@ -57,7 +57,8 @@ from typing import Any
 
 import msgspec
 
-from rollout.model import encode_conversation, step_seed
+from rollout.context import ChatEncoder, prompt_ids_of
+from rollout.model import step_seed
 from rollout.policies.base import Action, PolicyContext
 from schemas.events import SamplingParams
 
@@ -98,7 +99,7 @@ class VLLMPolicy:
         model_dir: model directory (``config.json``, safetensors, tokenizer).
         sampling: temperature, top-p, top-k, ``max_tokens``, base seed.
         policy_version: version recorded on the events (0 = base model).
-        max_model_len: context length; prompts are cut to ``max_model_len - max_tokens``.
+        max_model_len: context length; the episode's context is cut to ``max_model_len - max_tokens``.
         gpu_memory_utilization: share of device (on CPU: host) memory vLLM plans with.
         kv_cache_gib: KV cache size on CPU, GiB (``VLLM_CPU_KVCACHE_SPACE``).
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes.
@@ -107,6 +108,7 @@ class VLLMPolicy:
         max_wait_s: how long the batcher waits for more prompts after the first.
         dtype: model dtype (``float32``; AVX2-only CPUs have no fast bf16).
         engine_kwargs: further ``vllm.LLM`` arguments (they override the above).
+        policy_lineage: lineage of published versions the weights belong to (empty: base).
 
     Raises:
         FileNotFoundError: ``model_dir`` does not exist.
@@ -119,7 +121,7 @@ class VLLMPolicy:
                  max_model_len: int = 2048, gpu_memory_utilization: float = 0.1, kv_cache_gib: int = 1,
                  enable_prefix_caching: bool = True, enforce_eager: bool = True, max_batch: int = 64,
                  max_wait_s: float = 0.05, dtype: str = "float32",
-                 engine_kwargs: dict[str, Any] | None = None) -> None:
+                 engine_kwargs: dict[str, Any] | None = None, policy_lineage: str = "") -> None:
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model directory {model_dir} does not exist; create one with "
@@ -132,6 +134,7 @@ class VLLMPolicy:
 
         self.sampling = sampling
         self.policy_version = policy_version
+        self.policy_lineage = policy_lineage
         self.location = str(model_dir)
         self.max_model_len = max_model_len
         self.max_prompt_tokens = max_model_len - sampling.max_tokens
@@ -150,6 +153,7 @@ class VLLMPolicy:
         self.load_seconds = time.perf_counter() - t0
         log.info("vLLM engine for %s up in %.1f s", model_dir, self.load_seconds)
         self.tokenizer = self.llm.get_tokenizer()
+        self.chat = ChatEncoder.from_tokenizer(self.tokenizer)
         self._eos = self.tokenizer.eos_token_id
         self._queue: queue.Queue[_Request | None] = queue.Queue()
         self._engine_lock = threading.Lock()  # generate vs weight reload
@@ -164,8 +168,8 @@ class VLLMPolicy:
     # ------------------------------------------------------------------ Policy
 
     def prompt_ids(self, context: PolicyContext) -> list[int]:
-        """Token ids of the prompt this policy would see for ``context``."""
-        return encode_conversation(self.tokenizer, context.messages, max_prompt_tokens=self.max_prompt_tokens)
+        """Token ids this policy feeds the model for ``context`` (:func:`rollout.context.prompt_ids_of`)."""
+        return prompt_ids_of(context, self.chat, max_prompt_tokens=self.max_prompt_tokens)
 
     def act(self, context: PolicyContext) -> Action:
         """Queue this episode's prompt for the next batched ``generate`` call and wait for its action.
@@ -173,7 +177,7 @@ class VLLMPolicy:
         Raises:
             VLLMPolicyClosedError: the policy was closed before the action was generated.
         """
-        seed = step_seed(self.sampling.seed or 0, context.task.task_id, context.step_index)
+        seed = step_seed(self.sampling.seed or 0, context.task.task_id, context.step_index, sample=context.sample)
         return self.submit(self.prompt_ids(context), seed=seed).result()
 
     def submit(self, prompt_ids: list[int], *, seed: int) -> Future:
@@ -212,7 +216,7 @@ class VLLMPolicy:
 
     # ------------------------------------------------------------------ reload
 
-    def reload(self, location: str, version: int) -> VLLMPolicy:
+    def reload(self, location: str, version: int, *, lineage: str = "") -> VLLMPolicy:
         """Load the weights at ``location`` into the running engine, in place; returns ``self``.
 
         Uses the engine's ``reload_weights`` worker call (seconds for small
@@ -235,7 +239,7 @@ class VLLMPolicy:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(location),
                                                               "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()
-        self.policy_version, self.location = version, str(location)
+        self.policy_version, self.location, self.policy_lineage = version, str(location), lineage
         log.info("vLLM weights of version %d loaded from %s in %.2f s", version, location, time.perf_counter() - t0)
         return self
 

@@ -17,11 +17,9 @@ from rollout.model import (
     BOS_TOKEN,
     EOS_TOKEN,
     PAD_TOKEN,
-    encode_conversation,
     init_tiny_model,
     step_seed,
 )
-from rollout.policies.base import Message
 from trajpipe.cli import app
 
 
@@ -70,23 +68,12 @@ def test_tokenizer_is_byte_level_and_learned_the_domains(tiny):
     assert len(tok("ANSWER", add_special_tokens=False)["input_ids"]) == 1
 
 
-def test_chat_template_and_prompt_truncation(tiny):
-    tok = AutoTokenizer.from_pretrained(tiny)
-    messages = [Message("user", "Solve 2+2."), Message("assistant", "CALC 2+2"), Message("tool", "2+2 = 4")]
-    text = tok.apply_chat_template([{"role": m.role, "content": m.content} for m in messages], tokenize=False,
-                                   add_generation_prompt=True)
-    assert text == ("<|bos|><|user|>\nSolve 2+2.<|eos|>\n<|assistant|>\nCALC 2+2<|eos|>\n"
-                    "<|tool|>\n2+2 = 4<|eos|>\n<|assistant|>\n")
-    full = encode_conversation(tok, messages, max_prompt_tokens=10_000)
-    assert full[0] == tok.bos_token_id and full.count(tok.bos_token_id) == 1  # no double BOS
-    cut = encode_conversation(tok, messages, max_prompt_tokens=8)
-    # Keeps BOS and the newest 7 tokens (the end of the conversation and the assistant marker).
-    assert cut == full[:1] + full[-7:]
-
-
-def test_step_seed_depends_on_seed_task_and_step():
-    seeds = {step_seed(s, t, i) for s in (0, 1) for t in ("a", "b") for i in (0, 1)}
-    assert len(seeds) == 8 and all(0 <= s < 2**31 for s in seeds)
+def test_step_seed_depends_on_seed_task_step_and_sample():
+    seeds = {step_seed(s, t, i, sample=k) for s in (0, 1) for t in ("a", "b") for i in (0, 1)
+             for k in ("", "0.0.0", "0.1.0")}
+    assert len(seeds) == 24 and all(0 <= s < 2**31 for s in seeds)
+    # No sample key: the seed of schema-1 rollouts (reproducible across versions).
+    assert step_seed(0, "a", 1) == step_seed(0, "a", 1, sample="")
 
 
 def test_head_dim_vllm_cannot_run_is_rejected(tmp_path):

@@ -173,3 +173,83 @@ def test_policy_reload_between_episodes(kafka_broker, topic_name, tiny, tmp_path
     np.testing.assert_allclose(step0.behaviour_logprobs, score_tokens(new_model.model, prompt,
                                                                       step0.action_token_ids.tolist(),
                                                                       started.sampling), atol=1e-4)
+
+
+class _FedIds:
+    """Records the input ids the model's first forward of each ``generate`` call receives (the prompt it was fed)."""
+
+    def __init__(self, policy: HFPolicy) -> None:
+        self.calls: list[list[int]] = []
+        self._armed = False
+        self._inner = policy
+        self.policy_version, self.sampling = policy.policy_version, policy.sampling
+        self.chat, self.max_prompt_tokens = policy.chat, policy.max_prompt_tokens
+        self._hook = policy.model.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs):
+        if self._armed:
+            self.calls.append(kwargs["input_ids"][0].tolist())
+            self._armed = False
+
+    def act(self, context):
+        self._armed = True
+        return self._inner.act(context)
+
+    def close(self) -> None:
+        self._hook.remove()
+
+
+@pytest.mark.parametrize("domain", ["math", "docqa"])
+def test_recorded_steps_rebuild_exactly_what_the_model_was_fed(tiny, domain):
+    from rollout.context import model_input_of
+    from rollout.envs import make_env
+    from rollout.episode import run_episode
+
+    # docqa prompts are longer than the context budget here: every step's input is cut, and the cut is recorded.
+    policy = HFPolicy.from_pretrained(tiny, sampling=SamplingParams(temperature=1.0, max_tokens=24, seed=11),
+                                      max_model_len=512)
+    fed = _FedIds(policy)
+    events: list = []
+    env = make_env(domain)
+    try:
+        task = generate_tasks(domain, 1, seed=4)[0]
+        run_episode(env, fed, task, episode_id=f"tf-{domain}", producer_id="t", max_steps=4, emit=events.append)
+    finally:
+        env.close()
+        fed.close()
+    steps = [e for e in events if isinstance(e, Step)]
+    assert len(steps) == 4 == len(fed.calls)
+    obs = [s.observation_token_ids.tolist() for s in steps]
+    act = [s.action_token_ids.tolist() for s in steps]
+    for k, s in enumerate(steps):
+        rebuilt = model_input_of(obs, act, step=k, cut_start=s.context_cut_start, cut_tokens=s.context_cut_tokens)
+        assert rebuilt == fed.calls[k], f"step {k}: recorded ids differ from the model's input"
+        assert s.prompt_tokens == len(fed.calls[k]) <= 512 - 24
+    assert steps[0].observation_token_ids[0] == policy.tokenizer.bos_token_id
+    if domain == "docqa":
+        assert all(s.context_cut_tokens > 0 for s in steps)
+    else:
+        assert all(s.context_cut_tokens == 0 for s in steps)
+        # Uncut: the step's input is literally the concatenated stream up to its observation.
+        assert fed.calls[-1] == [t for k in range(3) for t in obs[k] + act[k]] + obs[3]
+
+
+def test_group_members_share_a_group_and_draw_different_samples(tiny):
+    policy = HFPolicy.from_pretrained(tiny, sampling=SamplingParams(temperature=1.0, max_tokens=12, seed=3))
+    events: list = []
+    worker = RolloutWorker(policy, emit=events.append, scheduler=make_scheduler(["math"], seed=5),
+                           config=RolloutConfig(episodes=8, concurrency=4, max_steps=1, group_size=4, run_id="g"))
+    counts = worker.run()
+    assert counts.episodes == 8 and counts.groups == 2 and worker.counts.summary()["groups"] == 2
+    episodes = assert_complete_episodes(events)
+    groups: dict[str, list] = {}
+    for evs in episodes.values():
+        started = evs[0]
+        groups.setdefault(started.task_group, []).append(evs)
+    assert len(groups) == 2
+    for group_id, members in groups.items():
+        starts = [m[0] for m in members]
+        assert {s.task_id for s in starts} == {starts[0].task_id} and group_id.startswith(starts[0].task_id + "@v0#g.")
+        assert sorted(s.group_member for s in starts) == [0, 1, 2, 3] and {s.group_size for s in starts} == {4}
+        actions = {tuple(next(e for e in m if isinstance(e, Step)).action_token_ids.tolist()) for m in members}
+        assert len(actions) == 4, "group members sampled identical actions from one prompt"
