@@ -34,6 +34,12 @@ wait, the other domains go on. After ``breaker_cooldown_s`` it half-opens and
 lets one trial task through; a result without env error closes it, another env
 failure opens it again.
 
+**Groups.** :meth:`TaskScheduler.next_group` hands out ``size`` tickets of
+one task (GRPO groups: several samples of one prompt, so a group baseline has
+something to compare): members ``0..size-1`` of round ``r`` (a counter of the
+groups this scheduler formed). Each member is reported on its own. A retry
+(after a timeout or error) runs alone: its group already closed without it.
+
 **State.** Everything dynamic (levels, pass rates, breakers, queues, in-flight
 tickets, counters, RNG) is saved to ``state_path`` as JSON by write-to-temp +
 fsync + rename; a restarted scheduler resumes, re-queueing tickets that were in
@@ -66,7 +72,9 @@ __all__ = [
 ]
 
 ResultStatus = Literal["success", "failure", "timeout", "error"]
-STATE_VERSION = 1
+STATE_VERSION = 2
+#: State files this code still reads (version 1 has no group rounds).
+_READABLE_STATE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -136,6 +144,9 @@ class ScheduledTask(msgspec.Struct, kw_only=True):
         timeout_s: the worker should give the episode at most this long.
         issued_at: scheduler clock time it was handed out.
         trial: True if it is the half-open breaker's trial task.
+        group_size: tickets of this task handed out together as one group (1: alone).
+        member: this ticket's index in its group, ``0..group_size-1``.
+        round: the group's number among the groups this scheduler formed.
     """
 
     ticket: int
@@ -145,6 +156,14 @@ class ScheduledTask(msgspec.Struct, kw_only=True):
     timeout_s: float = 600.0
     issued_at: float = 0.0
     trial: bool = False
+    group_size: int = 1
+    member: int = 0
+    round: int = 0
+
+    @property
+    def sample(self) -> str:
+        """The sample key of this ticket: ``<round>.<member>.<attempt>`` (mixed into sampling seeds)."""
+        return f"{self.round}.{self.member}.{self.attempt}"
 
 
 class DomainState(msgspec.Struct, kw_only=True):
@@ -262,6 +281,7 @@ class TaskScheduler:
         self._reopen: list[tuple[float, str]] = []
         self._seq = 0
         self._next_ticket = 1
+        self._next_round = 0
         self._reports = 0
         self._updates = 0
         if self.state_path is not None and self.state_path.exists():
@@ -389,6 +409,32 @@ class TaskScheduler:
         st.next_index += 1
         return self._issue(ScheduledTask(ticket=0, task=task, timeout_s=self.config.task_timeout_s), now)
 
+    def next_group(self, size: int) -> list[ScheduledTask]:
+        """``size`` tickets of the next task (see :meth:`next_task`), members of one group.
+
+        A retry comes back alone (a list of one): the group it belonged to closed without it.
+
+        Raises:
+            ValueError: ``size < 1``.
+        """
+        if size < 1:
+            raise ValueError(f"group `size` must be >= 1, got {size}")
+        first = self.next_task()
+        if first is None:
+            return []
+        first.round = self._next_round
+        self._next_round += 1
+        if size == 1 or first.attempt > 0:
+            first.group_size, first.member = 1, 0
+            return [first]
+        first.group_size, first.member = size, 0
+        group = [first]
+        for member in range(1, size):
+            group.append(self._issue(ScheduledTask(
+                ticket=0, task=first.task, priority=first.priority, timeout_s=first.timeout_s,
+                group_size=size, member=member, round=first.round), first.issued_at))
+        return group
+
     # ------------------------------------------------------------------ results
 
     def report(self, ticket: int | ScheduledTask, *, status: ResultStatus, reward: float = 0.0,
@@ -487,6 +533,7 @@ class TaskScheduler:
             "version": STATE_VERSION,
             "seq": self._seq,
             "next_ticket": self._next_ticket,
+            "next_round": self._next_round,
             "rng": [rng_state[0], list(rng_state[1]), rng_state[2]],
             "domains": {d: msgspec.to_builtins(st) for d, st in self.domains.items()},
             "retries": [[r[0], msgspec.to_builtins(r[3])] for r in self._retries],
@@ -523,9 +570,11 @@ class TaskScheduler:
 
     def _load(self, path: Path) -> None:
         doc = json.loads(path.read_text())
-        if doc.get("version") != STATE_VERSION:
-            raise ValueError(f"scheduler state {path} has version {doc.get('version')}, expected {STATE_VERSION}")
+        if doc.get("version") not in _READABLE_STATE_VERSIONS:
+            raise ValueError(f"scheduler state {path} has version {doc.get('version')}; this scheduler reads "
+                             f"versions {_READABLE_STATE_VERSIONS}")
         self._seq, self._next_ticket = int(doc["seq"]), int(doc["next_ticket"])
+        self._next_round = int(doc.get("next_round", 0))
         version, internal, gauss = doc["rng"]
         self._rng.setstate((version, tuple(internal), gauss))
         for d, raw in doc["domains"].items():

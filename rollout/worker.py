@@ -22,9 +22,18 @@ follows the last event emitted, keeping ``seq`` gap-free. A step already
 inside the environment completes and is recorded first. The caller then
 flushes the producer.
 
+Groups (``RolloutConfig.group_size`` G > 1): the worker takes G tickets of one
+task at a time (:meth:`rollout.scheduler.TaskScheduler.next_group`) and starts
+them together on the same policy object, so all members of a group act with
+one policy version. They share ``task_group`` = ``<task_id>@v<version>#<run
+id>.<round>`` (task, policy version, round), declare ``group_size`` and their
+``group_member`` index, and draw distinct samples (the member index is part of
+their sampling seed). The trajectory job computes group baselines over complete
+groups only.
+
 Policy versions: with a :class:`rollout.reload.PolicyFollower`, a newly
-published version is applied between episodes (see :mod:`rollout.reload`);
-every event of an episode carries the version that started it.
+published version is applied between groups (see :mod:`rollout.reload`);
+every event of an episode carries the version (and lineage) that started it.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from rollout.episode import EpisodeSummary, run_episode
 from rollout.policies.base import Action, Policy, PolicyContext
 from rollout.reload import PolicyFollower, reload_policy
 from rollout.scheduler import ScheduledTask, SchedulerConfig, TaskScheduler
-from schemas.events import EpisodeFinished, EpisodeStatus, Event, Step, make_event_id
+from schemas.events import EpisodeFinished, EpisodeStatus, Event, Step, Termination, make_event_id
 
 __all__ = [
     "DomainCounts",
@@ -81,6 +90,8 @@ class RolloutConfig:
         episode_timeout_s: wall-clock budget per episode (None: the scheduler's ticket timeout).
         shutdown_timeout_s: on stop, how long episodes in flight may take to reach their
             next policy call before they are closed as ``aborted`` regardless.
+        group_size: episodes per task run together as one GRPO group (the last group
+            of a run is smaller when ``episodes`` is not a multiple).
     """
 
     episodes: int
@@ -90,10 +101,13 @@ class RolloutConfig:
     run_id: str = ""
     episode_timeout_s: float | None = None
     shutdown_timeout_s: float = 60.0
+    group_size: int = 1
 
     def __post_init__(self) -> None:
         if self.episodes < 0:
             raise ValueError(f"`episodes` must be >= 0, got {self.episodes}")
+        if self.group_size < 1:
+            raise ValueError(f"`group_size` must be >= 1, got {self.group_size}")
         if self.concurrency < 1:
             raise ValueError(f"`concurrency` must be >= 1, got {self.concurrency}")
         if self.max_steps < 1:
@@ -143,6 +157,7 @@ class RolloutCounts(msgspec.Struct, kw_only=True):
         errors: episodes with status ``error`` or ``timeout``.
         domains: per-domain tallies.
         policy_versions: episodes per policy version.
+        groups: groups of episodes started (a group of one per task when ``group_size`` is 1).
         reloads: policy versions applied.
         stuck: episodes closed at shutdown while their thread was still busy (abandoned).
         elapsed_s: wall time of the run, seconds.
@@ -155,6 +170,7 @@ class RolloutCounts(msgspec.Struct, kw_only=True):
     errors: int = 0
     domains: dict[str, DomainCounts] = msgspec.field(default_factory=dict)
     policy_versions: dict[int, int] = msgspec.field(default_factory=dict)
+    groups: int = 0
     reloads: int = 0
     stuck: int = 0
     elapsed_s: float = 0.0
@@ -167,7 +183,7 @@ class RolloutCounts(msgspec.Struct, kw_only=True):
     def summary(self) -> dict:
         """The CLI's last-line JSON object."""
         return {"episodes": self.episodes, "events": self.events, "passed": self.passed, "aborted": self.aborted,
-                "errors": self.errors, "episodes_per_s": round(self.episodes_per_s, 3),
+                "errors": self.errors, "groups": self.groups, "episodes_per_s": round(self.episodes_per_s, 3),
                 "domains": {d: msgspec.to_builtins(c) for d, c in sorted(self.domains.items())}}
 
 
@@ -189,7 +205,10 @@ class _AbortablePolicy:
         self._policy = policy
         self._events = events
         self.policy_version = policy.policy_version
+        self.policy_lineage = getattr(policy, "policy_lineage", "")
         self.sampling = policy.sampling
+        self.chat = getattr(policy, "chat", None)
+        self.max_prompt_tokens = getattr(policy, "max_prompt_tokens", 0)
 
     def act(self, context: PolicyContext) -> Action:
         if any(e.is_set() for e in self._events):
@@ -234,9 +253,10 @@ class _EpisodeEmitter:
         with self._lock:
             if not self._sealed and self.next_seq > 0:
                 seq = self.next_seq
+                termination = Termination.ABORTED if status == EpisodeStatus.ABORTED else Termination.ERROR
                 self._emit(EpisodeFinished(event_id=make_event_id(self.episode_id, seq), seq=seq,
                                            producer_id=self.producer_id, status=status, num_steps=self.steps,
-                                           verifier_summary=why, **self.base))
+                                           verifier_summary=why, termination=termination.value, **self.base))
                 self.next_seq = seq + 1
             self._sealed = True
             return self.next_seq
@@ -300,12 +320,17 @@ class RolloutWorker:
             while not stop.is_set():
                 draining = self._maybe_reload(busy=bool(in_flight))
                 while not draining and started < self.config.episodes and len(in_flight) < self.config.concurrency:
-                    item = self.scheduler.next_task()
-                    if item is None:  # every domain blocked (breakers open, retries backing off)
+                    items = self.scheduler.next_group(min(self.config.group_size, self.config.episodes - started))
+                    if not items:  # every domain blocked (breakers open, retries backing off)
                         break
-                    emitter = self._emitter(item, self.policy, f"{self.run_id}-{started:06d}")
-                    in_flight[pool.submit(self._run_one, item, self.policy, emitter)] = (item, emitter)
-                    started += 1
+                    # One policy object for the whole group: every member acts with the same version.
+                    policy = self.policy
+                    group = f"{items[0].task.task_id}@v{policy.policy_version}#{self.run_id}.{items[0].round}"
+                    for item in items:
+                        emitter = self._emitter(item, policy, f"{self.run_id}-{started:06d}")
+                        in_flight[pool.submit(self._run_one, item, policy, emitter, group)] = (item, emitter)
+                        started += 1
+                    self.counts.groups += 1
                 if not in_flight:
                     if started >= self.config.episodes:
                         break
@@ -387,7 +412,7 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ one episode (pool thread)
 
-    def _run_one(self, item: ScheduledTask, policy: Policy, emitter: _EpisodeEmitter) -> EpisodeResult:
+    def _run_one(self, item: ScheduledTask, policy: Policy, emitter: _EpisodeEmitter, group: str) -> EpisodeResult:
         task = item.task
         episode_id, base = emitter.episode_id, emitter.base
         env = None
@@ -398,7 +423,8 @@ class RolloutWorker:
                 # every episode in flight at its next policy call.
                 env, _AbortablePolicy(policy, self._abort, self._stop), task, episode_id=episode_id,
                 producer_id=self.config.producer_id, max_steps=self.config.max_steps, emit=emitter,
-                task_group=task.task_id, episode_timeout_s=self.config.episode_timeout_s or item.timeout_s,
+                task_group=group, group_size=item.group_size, group_member=item.member, sample=item.sample,
+                episode_timeout_s=self.config.episode_timeout_s or item.timeout_s,
             )
             return EpisodeResult(**base, status=summary.status, reward=summary.reward,
                                  num_events=summary.num_events, env_error=summary.env_error)

@@ -4,7 +4,9 @@ Episodes look like real rollouts in size and shape: an ``episode_started``,
 2–6 ``step`` events of a few KB (observation text, action text, a few hundred
 token ids with per-token behaviour logprobs), one ``step_verified`` per step,
 and an ``episode_finished``. Tasks come in groups of ``group_size`` rollouts
-(for GRPO-style group baselines). Everything is a pure function of the seed.
+(for GRPO-style group baselines), declared as the rollout scheduler declares
+them (``task_group``, ``group_size``, ``group_member``; one policy version per
+group). Everything is a pure function of the seed.
 
 Examples:
     >>> eps = list(generate_episodes(3, seed=7))
@@ -79,12 +81,15 @@ def generate_episodes(
     if n < 0 or group_size < 1 or policy_versions < 1:
         raise ValueError("`n` must be >= 0, `group_size` and `policy_versions` >= 1")
     rng = np.random.default_rng(seed)
+    policy_version = 0
     for i in range(n):
         domain = domains[(i // group_size) % len(domains)]
-        task_no = i // group_size
+        task_no, member = divmod(i, group_size)
         task_id = f"{domain}-{seed}-{task_no:06d}"
         episode_id = f"synth-{seed}-{i:08d}"
-        policy_version = int(rng.integers(0, policy_versions))
+        if member == 0:  # one policy version per group, as the rollout worker starts a group
+            policy_version = int(rng.integers(0, policy_versions))
+        size = min(group_size, n - task_no * group_size)
         difficulty = int(rng.integers(0, 4))
         skill = 0.75 - 0.15 * difficulty
         t = _BASE_TIME + timedelta(seconds=float(i))
@@ -105,7 +110,8 @@ def generate_episodes(
                 difficulty=difficulty,
                 prompt=_text(rng, 60),
                 sampling=SamplingParams(temperature=1.0, top_p=1.0, max_tokens=512, seed=int(rng.integers(1 << 31))),
-                task_group=f"{task_id}/g",
+                task_group=f"{task_id}@v{policy_version}#synth-{seed}.{task_no}", group_size=size,
+                group_member=member,
             )
         ]
         n_steps = int(rng.integers(2, 7))
@@ -149,6 +155,7 @@ def generate_episodes(
                 outcome_reward=1.0 if success else 0.0,
                 num_steps=n_steps,
                 verifier_summary=f"{passes}/{n_steps} steps verified",
+                termination="done",
             )
         )
         yield events

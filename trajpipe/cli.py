@@ -295,8 +295,10 @@ def rollout(
     episodes: Annotated[int, typer.Option(help="episodes to run")] = 100,
     domains: Annotated[str, typer.Option(help="comma-separated domains")] = "code,math,docqa,tools",
     policy: Annotated[str, typer.Option(help="scripted | hf | vllm")] = "scripted",
-    model: Annotated[Optional[Path], typer.Option(help="model directory (hf, vllm)")] = None,
+    model: Annotated[Optional[Path], typer.Option(
+        help="model directory (hf, vllm; scripted: speak its tokenizer, so the demonstrations are trainable)")] = None,
     concurrency: Annotated[int, typer.Option(help="episodes in flight")] = 4,
+    group_size: Annotated[int, typer.Option("--group-size", help="episodes per task run as one GRPO group")] = 1,
     seed: Annotated[int, typer.Option(help="seed of task draws and sampling")] = 0,
     max_steps: Annotated[int, typer.Option("--max-steps", help="steps per episode")] = 16,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="new tokens per action (hf, vllm)")] = 64,
@@ -304,6 +306,7 @@ def rollout(
     top_p: Annotated[float, typer.Option("--top-p", help="nucleus mass (hf, vllm)")] = 1.0,
     noise: Annotated[float, typer.Option(help="scripted: probability of a wrong decision")] = 0.0,
     policy_version: Annotated[int, typer.Option("--policy-version", help="version of --model")] = 0,
+    policy_lineage: Annotated[str, typer.Option("--policy-lineage", help="lineage of --model's version")] = "",
     follow_policies: Annotated[bool, typer.Option("--follow-policies/--no-follow-policies",
                                                   help="load versions published on the control topic")] = True,
     producer_id: Annotated[Optional[str], typer.Option("--producer-id", help="worker id on the events")] = None,
@@ -330,6 +333,11 @@ def rollout(
         _fail(f"`--policy` {policy!r} is not one of scripted, hf, vllm")
     if policy != "scripted" and model is None:
         _fail(f"`--policy {policy}` needs `--model DIR` (make one with `trajpipe model init-tiny --out DIR`)")
+    if model is not None and not (model / "config.json").is_file():
+        _fail(f"`--model` {model} is not a model directory (no config.json); make one with "
+              f"`trajpipe model init-tiny --out {model}`")
+    if group_size < 1:
+        _fail(f"`--group-size` must be >= 1, got {group_size}")
     settings = load_settings(config, bootstrap=bootstrap)
     producer_id = producer_id or f"rollout@{socket.gethostname()}:{os.getpid()}"
     conn = settings.connection(client_id="trajpipe-rollout")
@@ -339,17 +347,27 @@ def rollout(
     if policy == "scripted":
         from rollout.policies.scripted import ScriptedPolicy
 
-        actor = ScriptedPolicy(noise=noise, seed=seed, policy_version=policy_version)
+        tokenizer, max_prompt = None, 1536
+        if model is not None:
+            from transformers import AutoConfig, AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model)
+            # Scripted actions (whole source files) run longer than sampled ones: leave them 512 tokens.
+            max_prompt = int(AutoConfig.from_pretrained(model).max_position_embeddings) - max(512, max_tokens)
+        actor = ScriptedPolicy(noise=noise, seed=seed, policy_version=policy_version, tokenizer=tokenizer,
+                               max_prompt_tokens=max_prompt)
     elif policy == "hf":
         from rollout.policies.hf import HFPolicy
 
-        actor = HFPolicy.from_pretrained(model, sampling=sampling, policy_version=policy_version)
+        actor = HFPolicy.from_pretrained(model, sampling=sampling, policy_version=policy_version,
+                                         policy_lineage=policy_lineage)
     else:
         from rollout.policies.vllm import VLLMPolicy
 
-        actor = VLLMPolicy(model, sampling=sampling, policy_version=policy_version, max_batch=concurrency)
+        actor = VLLMPolicy(model, sampling=sampling, policy_version=policy_version,
+                           max_batch=max(concurrency, group_size), policy_lineage=policy_lineage)
         typer.echo(f"vLLM engine loaded in {actor.load_seconds:.1f} s", err=True)
-    typer.echo(f"rollout: {json.dumps({'episodes': episodes, 'domains': domain_list, 'policy': policy, 'model': str(model) if model else None, 'concurrency': concurrency, 'seed': seed, 'max_steps': max_steps, 'sampling': {'temperature': temperature, 'top_p': top_p, 'max_tokens': max_tokens}, 'producer_id': producer_id, 'topic': topics.events})}", err=True)
+    typer.echo(f"rollout: {json.dumps({'episodes': episodes, 'domains': domain_list, 'policy': policy, 'model': str(model) if model else None, 'concurrency': concurrency, 'group_size': group_size, 'seed': seed, 'max_steps': max_steps, 'sampling': {'temperature': temperature, 'top_p': top_p, 'max_tokens': max_tokens}, 'producer_id': producer_id, 'topic': topics.events})}", err=True)
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -365,7 +383,7 @@ def rollout(
 
         worker = RolloutWorker(actor, emit=producer.emit,
                                config=RolloutConfig(episodes=episodes, concurrency=concurrency, max_steps=max_steps,
-                                                    producer_id=producer_id),
+                                                    producer_id=producer_id, group_size=group_size),
                                scheduler=make_scheduler(domain_list, seed=seed), follower=follower,
                                on_episode=on_episode)
         if follower is not None:

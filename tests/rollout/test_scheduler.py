@@ -199,3 +199,29 @@ def test_config_validation():
         SchedulerConfig(domain_weights={"a": 0.0})
     with pytest.raises(ValueError, match="promote_at"):
         SchedulerConfig(domain_weights={"a": 1.0}, promote_at=0.1, demote_at=0.5)
+
+
+def test_groups_are_g_tickets_of_one_task_and_retries_run_alone(tmp_path):
+    clock = Clock()
+    s = TaskScheduler(SchedulerConfig(domain_weights={"a": 1.0}, max_retries=2, backoff_base_s=1.0),
+                      task_factory=synthetic, clock=clock, state_path=tmp_path / "state.json", autosave_every=1)
+    g0, g1 = s.next_group(4), s.next_group(4)
+    assert [t.member for t in g0] == [0, 1, 2, 3] and {t.group_size for t in g0} == {4}
+    assert len({t.ticket for t in g0 + g1}) == 8 and {t.task.task_id for t in g0} == {g0[0].task.task_id}
+    assert g0[0].task.task_id != g1[0].task.task_id and (g0[0].round, g1[0].round) == (0, 1)
+    assert len({t.sample for t in g0}) == 4  # distinct sampling keys per member
+    for t in g0[:3] + g1:
+        s.report(t, status="success")
+    s.report(g0[3], status="timeout")  # a member timed out: retried later, alone
+    clock.t += 10
+    retry = s.next_group(4)
+    assert len(retry) == 1 and retry[0].attempt == 1 and retry[0].group_size == 1
+    assert retry[0].task.task_id == g0[0].task.task_id and retry[0].round == 2
+    # Rounds survive a restart (state version 2); the retry in flight is handed out again.
+    s.save()
+    again = TaskScheduler(SchedulerConfig(domain_weights={"a": 1.0}), task_factory=synthetic, clock=clock,
+                          state_path=tmp_path / "state.json")
+    back = again.next_group(2)
+    assert back[0].round == 3 and back[0].task.task_id == g0[0].task.task_id and len(back) == 1
+    with pytest.raises(ValueError, match="group `size` must be >= 1"):
+        s.next_group(0)

@@ -178,7 +178,7 @@ class _InPlaceScripted(ScriptedPolicy):
         with self.lock:
             self.active -= 1
 
-    def reload(self, location: str, version: int):
+    def reload(self, location: str, version: int, *, lineage: str = ""):
         self.reloaded_while_active.append(self.active)
         self.policy_version = version
         return self
