@@ -133,3 +133,65 @@ def test_vllm_batches_prompts_and_reloads_weights_in_place(tiny, tmp_path):
     ids, logprobs = out["after"]
     assert ids != out["before"][0][0]  # new weights, new draw from the same seed
     np.testing.assert_allclose(logprobs, score_tokens(hf1.model, prompts[0], ids, sampling), atol=2e-3)
+
+
+_FED_SCRIPT = textwrap.dedent('''
+    """Run a 4-step math and a 4-step docqa episode on vLLM, recording every prompt the engine was given."""
+    import json
+    import sys
+
+    from rollout.envs import generate_tasks, make_env
+    from rollout.episode import run_episode
+    from rollout.policies.vllm import VLLMPolicy
+    from schemas.events import SamplingParams, Step
+
+
+    class Recording(VLLMPolicy):
+        fed = []
+
+        def generate_batch(self, prompts, seeds):
+            self.fed.extend(list(p) for p in prompts)  # the TokensPrompt ids vLLM runs, untouched
+            return super().generate_batch(prompts, seeds)
+
+
+    def main() -> None:
+        policy = Recording(sys.argv[1], sampling=SamplingParams(temperature=1.0, max_tokens=24, seed=7),
+                           max_model_len=512, max_batch=1)
+        out = []
+        for domain in ("math", "docqa"):
+            events, env = [], make_env(domain)
+            try:
+                run_episode(env, policy, generate_tasks(domain, 1, seed=4)[0], episode_id=domain, producer_id="t",
+                            max_steps=4, emit=events.append)
+            finally:
+                env.close()
+            out.append([[s.observation_token_ids.tolist(), s.action_token_ids.tolist(), s.context_cut_start,
+                         s.context_cut_tokens, s.prompt_tokens] for s in events if isinstance(s, Step)])
+        policy.close()
+        print(json.dumps({"episodes": out, "fed": Recording.fed}))
+
+
+    if __name__ == "__main__":
+        main()
+''')
+
+
+def test_vllm_recorded_steps_rebuild_exactly_what_the_engine_was_fed(tiny, tmp_path):
+    from rollout.context import model_input_of
+
+    script = tmp_path / "fed_vllm.py"
+    script.write_text(_FED_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(tiny)], cwd=REPO,
+                          env={**_env("unused"), "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=400, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    fed = iter(out["fed"])
+    for domain, steps in zip(("math", "docqa"), out["episodes"]):
+        assert len(steps) == 4, domain
+        obs, act = [s[0] for s in steps], [s[1] for s in steps]
+        for k, (_, _, cut_start, cut_tokens, prompt_tokens) in enumerate(steps):
+            given = next(fed)
+            assert model_input_of(obs, act, step=k, cut_start=cut_start, cut_tokens=cut_tokens) == given, (domain, k)
+            assert prompt_tokens == len(given) <= 512 - 24
+        assert all(s[3] > 0 for s in steps) if domain == "docqa" else all(s[3] == 0 for s in steps)
