@@ -25,7 +25,7 @@ def vocab_size(tiny_model: Path) -> int:
 
 @pytest.fixture
 def make_dataset(tmp_path: Path):
-    """``make_dataset(commits=[n_rows, ...], **row_options) -> root``: committed synthetic commits."""
+    """``make_dataset(commits=[n_episodes, ...], **row_options) -> root``: committed synthetic commits."""
 
     def make(commits=(40,), *, root: Path | None = None, row_group_size: int = 8, vocab_size: int = 256,
              start_commit: int = 1, **row_kw) -> Path:

@@ -8,7 +8,8 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("name", ["trainer.config", "trainer.metrics", "trainer.publish", "trainer.synthetic"])
+@pytest.mark.parametrize("name", ["trainer.config", "trainer.data", "trainer.losses", "trainer.metrics",
+                                  "trainer.publish", "trainer.synthetic"])
 def test_doctests(name):
     result = doctest.testmod(importlib.import_module(name))
     assert result.failed == 0 and result.attempted > 0
