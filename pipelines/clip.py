@@ -9,10 +9,16 @@ and ``M`` the action-token cap (0 disables either):
    ``M`` get ``loss_mask = False``: the sequence stays exactly what the
    behaviour policy produced (so logprobs can be recomputed), the loss
    ignores the overflow.
-3. The dropped tail's credit is folded into the last kept step ``j``:
-   ``r'_j = r_j + gamma * G_{j+1}``. Returns ``G_t`` and advantages ``A_t``
-   of the kept steps are those of the full episode, so ``G_j = r'_j`` still
-   holds and no credit is lost; ``G_0`` (the episode return) is unchanged.
+3. The dropped tail's credit is folded into the last kept step ``j``,
+   within the recipe's reward bounds:
+   ``r'_j = clip(r_j + gamma * G_{j+1}, reward_min, reward_max)``.
+4. Returns and advantages are recomputed from the rewards written
+   (``G_t = r'_t + gamma G_{t+1}``, ``A_t`` = GAE(gamma, lambda) over ``r'``),
+   so a reader can always recompute them from the ``reward`` column. While
+   the fold stays inside the bounds, ``G_j = r_j + gamma G_{j+1}`` is the full
+   episode's and so are all ``G_t`` of the kept steps: no credit is lost and
+   ``G_0`` (the episode return) is unchanged. A fold the bounds cut loses
+   the credit beyond them (``G_0`` moves by exactly the cut, discounted).
 
 The episode is flagged ``clipped`` with ``steps_dropped`` / ``tokens_masked``.
 
@@ -32,6 +38,7 @@ import msgspec
 import numpy as np
 from apache_beam.metrics import Metrics
 
+from pipelines.recipes import discounted_returns, gae_advantages
 from pipelines.types import METRICS_NAMESPACE, Episode
 
 __all__ = ["ClipTrajectories", "plan_clip", "clip_episode"]
@@ -50,31 +57,45 @@ def plan_clip(action_tokens: np.ndarray, *, max_steps: int, max_action_tokens: i
     return keep, (int(max_action_tokens - before[last]) if over > 0 else None)
 
 
-def clip_episode(episode: Episode, *, max_steps: int, max_action_tokens: int, gamma: float) -> Episode:
-    """Apply the module's rule to an episode with rewards (returns a copy)."""
+def clip_episode(episode: Episode, *, max_steps: int, max_action_tokens: int, gamma: float, lam: float = 1.0,
+                 reward_min: float | None = None, reward_max: float | None = None) -> Episode:
+    """Apply the module's rule to an episode with rewards (returns a copy; the episode itself if nothing is cut).
+
+    Args:
+        episode: an episode with ``rewards``, ``returns``, ``advantages`` and ``loss_masks``.
+        max_steps: step cap (0: none).
+        max_action_tokens: action-token cap (0: none).
+        gamma: the recipe's discount.
+        lam: the recipe's GAE lambda.
+        reward_min: the recipe's lower reward bound (None: none).
+        reward_max: the recipe's upper reward bound (None: none).
+    """
     n_tok = np.array([len(s.action_token_ids) for s in episode.steps], dtype=np.int64)
     keep, masked_from = plan_clip(n_tok, max_steps=max_steps, max_action_tokens=max_action_tokens)
     T = len(episode.steps)
     if keep == T and masked_from is None:
         return episode
     r = episode.rewards[:keep].copy()
+    G, A = episode.returns[:keep].copy(), episode.advantages[:keep].copy()
     if keep < T:
         r[keep - 1] += gamma * episode.returns[keep]
+        if reward_min is not None or reward_max is not None:
+            r[keep - 1] = np.clip(r[keep - 1], reward_min, reward_max)
+        G, A = discounted_returns(r, gamma=gamma), gae_advantages(r, gamma=gamma, lam=lam)
     masks = [m.copy() for m in episode.loss_masks[:keep]]
     tokens_masked = 0
     if masked_from is not None:
         tokens_masked = int(masks[-1][masked_from:].sum())
         masks[-1][masked_from:] = False
     return msgspec.structs.replace(
-        episode, steps=episode.steps[:keep], verdicts=episode.verdicts[:keep], rewards=r,
-        returns=episode.returns[:keep].copy(), advantages=episode.advantages[:keep].copy(), loss_masks=masks,
-        clipped=True, steps_dropped=T - keep, tokens_masked=tokens_masked,
+        episode, steps=episode.steps[:keep], verdicts=episode.verdicts[:keep], rewards=r, returns=G, advantages=A,
+        loss_masks=masks, clipped=True, steps_dropped=T - keep, tokens_masked=tokens_masked,
     )
 
 
 class _ClipFn(beam.DoFn):
-    def __init__(self, max_steps: int, max_action_tokens: int, gamma: float) -> None:
-        self._args = dict(max_steps=max_steps, max_action_tokens=max_action_tokens, gamma=gamma)
+    def __init__(self, args: dict) -> None:
+        self._args = args
         self._clipped = Metrics.counter(METRICS_NAMESPACE, "episodes_clipped")
         self._dropped = Metrics.counter(METRICS_NAMESPACE, "steps_dropped_by_clip")
 
@@ -90,13 +111,16 @@ class ClipTrajectories(beam.PTransform):
     """Cap steps (``max_steps``) and action tokens (``max_action_tokens``) per trajectory.
 
     See the module docstring for the credit-preserving rule; 0 disables a cap.
+    ``gamma``, ``lam``, ``reward_min`` and ``reward_max`` are the recipe's.
     """
 
-    def __init__(self, *, max_steps: int = 0, max_action_tokens: int = 0, gamma: float = 1.0) -> None:
+    def __init__(self, *, max_steps: int = 0, max_action_tokens: int = 0, gamma: float = 1.0, lam: float = 1.0,
+                 reward_min: float | None = None, reward_max: float | None = None) -> None:
         super().__init__()
         if max_steps < 0 or max_action_tokens < 0:
             raise ValueError("`max_steps` and `max_action_tokens` must be >= 0 (0 disables the cap)")
-        self._args = (max_steps, max_action_tokens, gamma)
+        self._args = dict(max_steps=max_steps, max_action_tokens=max_action_tokens, gamma=gamma, lam=lam,
+                          reward_min=reward_min, reward_max=reward_max)
 
     def expand(self, episodes):
-        return episodes | "Clip" >> beam.ParDo(_ClipFn(*self._args)).with_output_types(Episode)
+        return episodes | "Clip" >> beam.ParDo(_ClipFn(self._args)).with_output_types(Episode)

@@ -13,7 +13,12 @@ Its :attr:`Recipe.content_hash` (sha256 of the canonical JSON of every field)
 names the dataset version ``<name>-<hash8>``: the same recipe always writes
 into the same version, any change to it writes a new version beside the old.
 
-Per step ``t`` of an episode with ``T`` steps and outcome reward ``R``
+Only *judged* episodes get credit (``termination`` ``done`` or ``max_steps``,
+>= 1 step; :attr:`pipelines.types.Episode.trainable`): the rewards, returns
+and advantages of the others are 0 and they enter no statistics — their
+outcome of 0 is no verdict, so nothing is bootstrapped from it.
+
+Per step ``t`` of a judged episode with ``T`` steps and outcome reward ``R``
 (``episode_finished.outcome_reward``):
 
 * rewards ``r_t`` by :attr:`Recipe.reward`:
@@ -21,23 +26,47 @@ Per step ``t`` of an episode with ``T`` steps and outcome reward ``R``
   - ``outcome``: ``r_t = w_o * R * [t == T-1]`` (credit at the last step only; ``gamma`` defaults to 1).
   - ``discounted``: the same rewards with ``gamma < 1`` (default 0.95), so
     the return of step ``t`` is ``gamma^(T-1-t) * w_o * R``.
-  - ``verification_shaped``: ``r_t = w_v * s_t + w_o * R * [t == T-1] - step_penalty``
-    where ``s_t`` is the weighted mean score of the step's verdicts
-    (rollout-time and pipeline), weights ``verifier_weights[name]`` (default 1).
-  - ``prm``: ``r_t = w_p * prm(episode)[t] + w_o * R * [t == T-1]``; ``prm`` is an
-    import path ``module:function`` of a learned process-reward model
-    returning one score per step.
+  - ``verification_shaped`` and ``prm``: the outcome plus a shaping term of
+    the per-step score ``sigma_t`` (``verification_shaped``: the weighted mean
+    score of the step's *counted* verdicts, weights ``verifier_weights[name]``,
+    default 1; ``prm``: the score in [0, 1] of a learned process-reward model,
+    an import path ``module:function`` returning one score per step), weight
+    ``w`` (``verification_weight`` / ``prm_weight``):
 
-  then clipped to ``[reward_min, reward_max]``.
+    ``shaping: potential`` (default) — potential-based shaping (Ng, Harada &
+    Russell 1999, "Policy invariance under reward transformations: theory and
+    application to reward shaping", ICML, Thm. 1): the potential of the state
+    after step ``t`` is ``Phi_{t+1} = w * sigma_t``, ``Phi_0 = 0`` and the
+    terminal state's potential is 0, ``F_t = gamma * Phi_{t+1} - Phi_t`` and
+    ``r_t = F_t + w_o * R * [t == T-1] - step_penalty``. The shaping
+    telescopes: ``sum_t gamma^t F_t = gamma^T Phi_T - Phi_0 = 0``, so
+    ``G_0 = gamma^(T-1) w_o R - sum_t gamma^t step_penalty`` whatever the
+    step scores: steps are credited early, but neither length nor
+    high-scoring invalid steps can make an episode pay.
+
+    ``shaping: additive`` — ``r_t = w * sigma_t + w_o * R * [t == T-1] - step_penalty``,
+    accepted only with ``step_penalty >= w`` (no step then nets a positive
+    reward, so a longer episode never earns more).
+
+  then clipped to ``[reward_min, reward_max]`` (bounds that would cut the
+  shaping terms are refused: clipped, they no longer telescope).
 * return-to-go ``G_t = r_t + gamma * G_{t+1}``, ``G_T = 0``.
 * advantage: GAE(gamma, lambda) (Schulman et al. 2016, arXiv:1506.02438)
   with a **zero value baseline** (the dataset has no critic):
   ``delta_t = r_t + gamma*V(t+1) - V(t) = r_t`` and
   ``A_t = sum_l (gamma*lambda)^l * delta_{t+l}``; with ``lambda = 1``,
-  ``A_t = G_t``. The baseline is subtracted by NormalizeByDomain: the
-  domain mean (``normalization: domain``) or the GRPO group mean
-  (``normalization: group``, Shao et al. 2024, arXiv:2402.03300 §4.1.2:
-  ``A_i = (R_i - mean(R_group)) / std(R_group)``).
+  ``A_t = G_t``. The baseline is subtracted when normalizing
+  (:mod:`pipelines.normalize`) by :attr:`Recipe.normalization`:
+
+  - ``domain``: ``(A_t - mean_d) / (std_d + eps)`` over the domain's trainable steps;
+  - ``group`` (GRPO, Shao et al. 2024, arXiv:2402.03300 §4.1.2):
+    ``A_i = (R_i - mean(R_group)) / (std(R_group) + eps)`` (:func:`grpo_advantage`);
+  - ``group_mean`` (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783 §3.2):
+    ``A_i = R_i - mean(R_group)``, no division by the std (:func:`dr_grpo_advantage`);
+  - ``none``: ``A_t`` as is.
+
+  ``R_i`` is the episode return ``G_0`` and the group is the episode's
+  complete GRPO group (:mod:`pipelines.groups`), trainable members only.
 
 Examples:
     >>> import numpy as np
@@ -46,6 +75,9 @@ Examples:
     ([0.0, 0.0, 1.0], [0.25, 0.5, 1.0])
     >>> load_recipe("outcome").version.startswith("outcome-")
     True
+    >>> F = potential_shaping(np.array([1.0, 0.0, 1.0]), weight=0.5, gamma=0.5)
+    >>> F.tolist(), float(discounted_returns(F, gamma=0.5)[0])  # Phi = [0, 0.5, 0, 0]: telescopes to 0
+    ([0.25, -0.5, 0.0], 0.0)
 """
 
 from __future__ import annotations
@@ -67,6 +99,9 @@ __all__ = [
     "step_rewards",
     "discounted_returns",
     "gae_advantages",
+    "potential_shaping",
+    "grpo_advantage",
+    "dr_grpo_advantage",
     "load_prm",
 ]
 
@@ -84,17 +119,20 @@ class Recipe(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=Tr
         gamma: discount factor in [0, 1].
         lam: GAE lambda in [0, 1] (YAML key ``lambda``).
         outcome_weight: ``w_o``, weight of the outcome reward.
-        verification_weight: ``w_v``, weight of the per-step verification score.
+        verification_weight: ``w_v``, weight of the per-step verification score (>= 0).
         verifier_weights: weight per verifier name in ``s_t`` (default 1.0 each;
             0 ignores a verifier).
-        step_penalty: subtracted from every step's reward (verification_shaped).
+        step_penalty: subtracted from every step's reward (``verification_shaped``
+            and ``prm``; >= 0).
+        shaping: ``potential`` (default; Ng et al. 1999) or ``additive``
+            (needs ``step_penalty >= weight``); see the module docstring.
         prm: ``module:function`` of the process-reward model (``prm`` recipes);
-            called as ``fn(episode) -> sequence of per-step scores``.
-        prm_weight: ``w_p``, weight of the PRM score.
+            called as ``fn(episode) -> sequence of per-step scores in [0, 1]``.
+        prm_weight: ``w_p``, weight of the PRM score (>= 0).
         reward_min: lower clip of ``r_t`` (None: no clip).
         reward_max: upper clip of ``r_t`` (None: no clip).
         normalization: ``domain`` (per-domain advantage statistics),
-            ``group`` (GRPO, per task group) or ``none``.
+            ``group`` (GRPO), ``group_mean`` (Dr. GRPO: no std) or ``none``.
         eps: added to the standard deviation when normalizing.
         max_steps: ClipTrajectories step cap per trajectory (0: none).
         max_action_tokens: ClipTrajectories cap on action tokens per trajectory (0: none).
@@ -108,11 +146,12 @@ class Recipe(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=Tr
     verification_weight: float = 0.0
     verifier_weights: dict[str, float] = {}
     step_penalty: float = 0.0
+    shaping: Literal["potential", "additive"] = "potential"
     prm: str | None = None
     prm_weight: float = 1.0
     reward_min: float | None = None
     reward_max: float | None = None
-    normalization: Literal["domain", "group", "none"] = "domain"
+    normalization: Literal["domain", "group", "group_mean", "none"] = "domain"
     eps: float = 1e-6
     max_steps: int = 0
     max_action_tokens: int = 0
@@ -130,6 +169,33 @@ class Recipe(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=Tr
             raise RecipeError("`max_steps` and `max_action_tokens` must be >= 0 (0 disables the cap)")
         if self.eps <= 0:
             raise RecipeError(f"`eps` must be > 0, got {self.eps}")
+        if self.reward in ("verification_shaped", "prm"):
+            self._check_shaping()
+
+    @property
+    def shaping_weight(self) -> float:
+        """``w``: the weight of the shaped per-step score (``verification_weight`` or ``prm_weight``)."""
+        return self.prm_weight if self.reward == "prm" else self.verification_weight
+
+    def _check_shaping(self) -> None:
+        name = "prm_weight" if self.reward == "prm" else "verification_weight"
+        w, p = self.shaping_weight, self.step_penalty
+        if w < 0 or p < 0:
+            raise RecipeError(f"`{name}` and `step_penalty` must be >= 0 (a negative penalty pays for length), "
+                              f"got {w} and {p}")
+        if self.shaping == "additive" and p < w:
+            raise RecipeError(
+                f"`shaping: additive` with `step_penalty` {p} < `{name}` {w} lets a step net a positive reward, so "
+                f"a longer or invalid episode can out-earn a short correct one; set `step_penalty: {w}` (or more), "
+                "or use `shaping: potential` (the default)")
+        # Largest and smallest reward a step can get from shaping and penalty alone (sigma in [0, 1]).
+        lo, hi = (-w - p, self.gamma * w - p) if self.shaping == "potential" else (-p, w - p)
+        if (self.reward_min is not None and self.reward_min > lo) or (self.reward_max is not None
+                                                                      and self.reward_max < hi):
+            raise RecipeError(
+                f"`reward_min`/`reward_max` [{self.reward_min}, {self.reward_max}] would clip the shaping terms "
+                f"(they range over [{lo:g}, {hi:g}]), and clipped shaping no longer telescopes to 0; "
+                f"set `reward_min` <= {lo:g} and `reward_max` >= {hi:g}, or remove them")
 
     @property
     def content_hash(self) -> str:
@@ -192,28 +258,67 @@ def step_rewards(
     step_scores: np.ndarray,
     prm_scores: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Per-step rewards ``r_t`` (float64, shape ``[T]``) of one episode.
+    """Per-step rewards ``r_t`` (float64, shape ``[T]``) of one judged episode (module docstring).
 
     Args:
         recipe: the recipe.
         outcome: the outcome reward ``R``.
         step_scores: ``s_t``, the weighted verification score of each step.
-        prm_scores: the PRM's score of each step (``prm`` recipes).
+        prm_scores: the PRM's score of each step (``prm`` recipes), in [0, 1].
+
+    Raises:
+        RecipeError: the PRM returned the wrong number of scores, or scores outside [0, 1].
     """
     T = len(step_scores)
     r = np.zeros(T, dtype=np.float64)
     if T == 0:
         return r
-    if recipe.reward == "verification_shaped":
-        r += recipe.verification_weight * np.asarray(step_scores, dtype=np.float64) - recipe.step_penalty
-    elif recipe.reward == "prm":
-        if prm_scores is None or len(prm_scores) != T:
-            raise RecipeError(f"the PRM returned {None if prm_scores is None else len(prm_scores)} scores for {T} steps")
-        r += recipe.prm_weight * np.asarray(prm_scores, dtype=np.float64)
+    if recipe.reward in ("verification_shaped", "prm"):
+        sigma = np.asarray(step_scores, dtype=np.float64)
+        if recipe.reward == "prm":
+            if prm_scores is None or len(prm_scores) != T:
+                n = None if prm_scores is None else len(prm_scores)
+                raise RecipeError(f"the PRM {recipe.prm!r} returned {n} scores for {T} steps; it must return one per step")
+            sigma = np.asarray(prm_scores, dtype=np.float64)
+            if not np.all((sigma >= 0.0) & (sigma <= 1.0)):
+                raise RecipeError(f"the PRM {recipe.prm!r} returned scores outside [0, 1] ({sigma.tolist()}); "
+                                  "rescale them (e.g. a sigmoid) in the PRM function")
+        w = recipe.shaping_weight
+        if recipe.shaping == "potential":
+            r += potential_shaping(sigma, weight=w, gamma=recipe.gamma)
+        else:
+            r += w * sigma
+        r -= recipe.step_penalty
     r[-1] += recipe.outcome_weight * outcome
     if recipe.reward_min is not None or recipe.reward_max is not None:
         r = np.clip(r, recipe.reward_min, recipe.reward_max)
     return r
+
+
+def potential_shaping(sigma: np.ndarray, *, weight: float, gamma: float) -> np.ndarray:
+    """Potential-based shaping terms ``F_t = gamma * Phi_{t+1} - Phi_t`` of one episode.
+
+    Ng, Harada & Russell (1999), "Policy invariance under reward
+    transformations: theory and application to reward shaping", ICML, Thm. 1:
+    ``F(s, s') = gamma * Phi(s') - Phi(s)`` leaves the optimal policies
+    unchanged. Here ``Phi_0 = 0`` (the prompt), ``Phi_{t+1} = weight * sigma_t``
+    (the state after step ``t``) and the terminal state's potential is 0, so
+    ``sum_t gamma^t F_t = 0``: the shaping moves credit between steps and adds
+    none to the episode.
+
+    Args:
+        sigma: per-step score ``sigma_t`` (verification or PRM score), shape ``[T]``.
+        weight: ``w``.
+        gamma: the discount.
+
+    Returns:
+        ``F``, float64, shape ``[T]``.
+    """
+    T = len(sigma)
+    phi_next = weight * np.asarray(sigma, dtype=np.float64)  # Phi_{t+1}
+    phi_next[T - 1:] = 0.0  # the state after the last step is terminal
+    phi = np.concatenate([[0.0], phi_next[:-1]])  # Phi_t
+    return gamma * phi_next - phi
 
 
 def discounted_returns(rewards: np.ndarray, *, gamma: float) -> np.ndarray:
@@ -229,6 +334,27 @@ def discounted_returns(rewards: np.ndarray, *, gamma: float) -> np.ndarray:
 def gae_advantages(rewards: np.ndarray, *, gamma: float, lam: float) -> np.ndarray:
     """GAE with a zero value baseline: ``A_t = sum_l (gamma*lam)^l r_{t+l}``."""
     return discounted_returns(rewards, gamma=gamma * lam)
+
+
+def grpo_advantage(R: np.ndarray | float, *, mean: np.ndarray | float, std: np.ndarray | float,
+                   eps: float) -> np.ndarray | float:
+    """GRPO's outcome advantage ``A_i = (R_i - mean(R_group)) / (std(R_group) + eps)``.
+
+    Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300 §4.1.2 (outcome
+    supervision); ``std`` is the population std of the group's returns.
+    """
+    return (R - mean) / (std + eps)
+
+
+def dr_grpo_advantage(R: np.ndarray | float, *, mean: np.ndarray | float) -> np.ndarray | float:
+    """Dr. GRPO's outcome advantage ``A_i = R_i - mean(R_group)`` (no std normalization).
+
+    Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
+    Perspective", arXiv:2503.20783 §3.2: dividing by the group's std weights
+    questions by their difficulty (too easy or too hard ones get larger
+    updates); the mean alone removes the baseline without that bias.
+    """
+    return R - mean
 
 
 def load_prm(path: str) -> Callable[..., Any]:

@@ -1,13 +1,19 @@
 """ComputeProcessRewards: per-step reward, return-to-go and advantage under a recipe.
 
 The formulas are in :mod:`pipelines.recipes`; this module applies them to
-:class:`~pipelines.types.Episode` s.
+:class:`~pipelines.types.Episode` s. Only trainable (judged) episodes get
+credit: the rewards, returns and advantages of a ``timeout``/``error``/``aborted``
+or step-less episode are 0 (its outcome of 0 is no verdict, so no return is
+computed from it); it is counted in ``pipeline/episodes_excluded``.
 
 Examples:
     >>> from schemas.datasets import Verification
-    >>> v = [Verification(verifier="a", passed=True, score=1.0), Verification(verifier="b", passed=False, score=0.0)]
-    >>> step_scores([v, []], {"b": 3.0}).tolist()  # (1*1 + 3*0) / (1 + 3) = 0.25; no verdicts -> 0
+    >>> v = [Verification(verifier="a", passed=True, score=1.0), Verification(verifier="b", passed=False, score=0.0),
+    ...      Verification(verifier="pipeline.token_consistency", passed=True, score=1.0, counted=False)]
+    >>> step_scores([v, []], {"b": 3.0}).tolist()  # counted only: (1*1 + 3*0) / (1 + 3) = 0.25; none -> 0
     [0.25, 0.0]
+    >>> step_passed(v), step_passed(v[2:])  # b failed; no counted verdict is no pass
+    (False, False)
 """
 
 from __future__ import annotations
@@ -23,29 +29,48 @@ from pipelines.recipes import Recipe, discounted_returns, gae_advantages, load_p
 from pipelines.types import METRICS_NAMESPACE, Episode
 from schemas.datasets import Verification
 
-__all__ = ["ComputeProcessRewards", "step_scores", "annotate_rewards"]
+__all__ = ["ComputeProcessRewards", "step_scores", "verification_score", "step_passed", "annotate_rewards"]
+
+
+def verification_score(verdicts: list[Verification], weights: Mapping[str, float]) -> float:
+    """``s_t`` of one step: weighted mean score of its *counted* verdicts (weight 1 unless named; 0 if none)."""
+    total = num = 0.0
+    for v in verdicts:  # a handful of verdicts per step: plain Python beats numpy here
+        if v.counted:
+            w = weights.get(v.verifier, 1.0) if weights else 1.0
+            total += w
+            num += w * v.score
+    return num / total if total > 0 else 0.0
 
 
 def step_scores(verdicts: list[list[Verification]], weights: Mapping[str, float]) -> np.ndarray:
-    """``s_t``: weighted mean score of each step's verdicts (weight 1 unless named; 0 if none)."""
-    out = np.zeros(len(verdicts), dtype=np.float64)
-    for t, vs in enumerate(verdicts):  # a handful of verdicts per step: plain Python beats numpy here
-        w = [weights.get(v.verifier, 1.0) for v in vs] if weights else [1.0] * len(vs)
-        total = sum(w)
-        if total > 0:
-            out[t] = sum(wi * v.score for wi, v in zip(w, vs)) / total
-    return out
+    """``s_t`` of every step (:func:`verification_score`), float64, shape ``[T]``."""
+    return np.array([verification_score(vs, weights) for vs in verdicts], dtype=np.float64)
+
+
+def step_passed(verdicts: list[Verification]) -> bool:
+    """A step passed: it has counted verdicts and all of them passed."""
+    counted = [v.passed for v in verdicts if v.counted]
+    return bool(counted) and all(counted)
 
 
 def annotate_rewards(episode: Episode, recipe: Recipe, prm=None) -> Episode:
-    """A copy of ``episode`` with ``rewards``, ``returns`` and ``advantages`` set (see pipelines.recipes)."""
-    outcome = episode.finished.outcome_reward if episode.finished is not None else 0.0
+    """A copy of ``episode`` with ``rewards``, ``returns`` and ``advantages`` set (see pipelines.recipes).
+
+    An episode that is not trainable gets zeros (no verdict, no credit).
+    """
+    T = len(episode.steps)
+    masks = [np.ones(len(s.action_token_ids), dtype=bool) for s in episode.steps]
+    if not episode.trainable:
+        zeros = np.zeros(T, dtype=np.float64)
+        return msgspec.structs.replace(episode, rewards=zeros, returns=zeros.copy(), advantages=zeros.copy(),
+                                       loss_masks=masks)
+    outcome = episode.finished.outcome_reward
     scores = step_scores(episode.verdicts, recipe.verifier_weights)
     prm_scores = np.asarray(prm(episode), dtype=np.float64) if prm is not None else None
     r = step_rewards(recipe, outcome=outcome, step_scores=scores, prm_scores=prm_scores)
     G = discounted_returns(r, gamma=recipe.gamma)
     A = gae_advantages(r, gamma=recipe.gamma, lam=recipe.lam)
-    masks = [np.ones(len(s.action_token_ids), dtype=bool) for s in episode.steps]
     return msgspec.structs.replace(episode, rewards=r, returns=G, advantages=A, loss_masks=masks)
 
 
@@ -54,6 +79,7 @@ class _RewardFn(beam.DoFn):
         self._recipe = recipe
         self._prm = None
         self._steps = Metrics.counter(METRICS_NAMESPACE, "steps_rewarded")
+        self._excluded = Metrics.counter(METRICS_NAMESPACE, "episodes_excluded")
 
     def setup(self) -> None:
         if self._recipe.reward == "prm":
@@ -61,7 +87,9 @@ class _RewardFn(beam.DoFn):
 
     def process(self, episode: Episode) -> Iterator[Episode]:
         self._steps.inc(len(episode.steps))
-        yield annotate_rewards(episode, self._recipe, self._prm)
+        if not episode.trainable:
+            self._excluded.inc()
+        yield annotate_rewards(episode, self._recipe, self._prm if episode.trainable else None)
 
 
 class ComputeProcessRewards(beam.PTransform):
@@ -69,8 +97,10 @@ class ComputeProcessRewards(beam.PTransform):
 
     ``r_t`` per the recipe's ``reward`` kind, ``G_t = r_t + gamma G_{t+1}``,
     ``A_t`` = GAE(gamma, lambda) with a zero value baseline (the baseline is
-    removed by NormalizeByDomain). Formulas and sources: :mod:`pipelines.recipes`.
-    A ``prm`` recipe imports its model once per worker (``DoFn.setup``).
+    removed by normalization). Formulas and sources: :mod:`pipelines.recipes`.
+    Episodes that are not trainable get zeros and are counted in
+    ``pipeline/episodes_excluded``. A ``prm`` recipe imports its model once
+    per worker (``DoFn.setup``).
     """
 
     def __init__(self, recipe: Recipe) -> None:

@@ -29,13 +29,14 @@ import msgspec
 import numpy as np
 
 from schemas.datasets import Verification
-from schemas.events import EpisodeFinished, EpisodeStarted, Feedback, Step
+from schemas.events import JUDGED_TERMINATIONS, EpisodeFinished, EpisodeStarted, Feedback, SamplingParams, Step, termination_of
 
 __all__ = [
     "RawRecords",
     "Fragment",
     "Episode",
     "INCOMPLETE_REASONS",
+    "GroupKey",
     "DEAD_LETTER_TAG",
     "METRICS_NAMESPACE",
 ]
@@ -85,6 +86,12 @@ class RawRecords(msgspec.Struct, kw_only=True, frozen=True, gc=False):
 #: ``(episode_id, events)``: one episode's events from one batch, in any order.
 Fragment = Tuple[str, list]
 
+#: A GRPO group: ``(domain, task_group, policy_version)``. Statistics of one group never mix
+#: policy versions (legacy events name a group by its task id alone, whatever version acted).
+GroupKey = Tuple[str, str, int]
+
+_DEFAULT_SAMPLING = SamplingParams()
+
 
 # gc=False (as for events): plain data, never in a reference cycle, held by the ten thousand.
 class Episode(msgspec.Struct, kw_only=True, gc=False):
@@ -112,12 +119,19 @@ class Episode(msgspec.Struct, kw_only=True, gc=False):
         returns: per-step return-to-go ``G_t``.
         advantages: per-step advantage ``A_t`` before normalization.
         normalized_advantages: per-step normalized advantage (NormalizeByDomain).
-        group_advantage: GRPO group-normalized episode return (NormalizeByDomain).
+        group_advantage: the recipe's group advantage of the episode return (NormalizeByDomain).
         normalized_return: episode return normalized by the domain's return statistics.
+        group_members: trainable members its group's statistics were computed over.
+        group_timed_out: its group was closed by the timeout before all members arrived.
         loss_masks: per step, per action token: trained on (True) or not.
         clipped: ClipTrajectories dropped steps or masked tokens.
         steps_dropped: steps removed by the step cap.
         tokens_masked: action tokens masked out of the loss by the token cap.
+
+    Derived (properties): ``termination``, ``excluded_reason``, ``trainable``
+    (judged: ``done``/``max_steps`` with >= 1 step), ``sampling``,
+    ``group_size``, ``group_member``, ``policy_lineage`` (from ``started``)
+    and ``group_key``.
     """
 
     episode_id: str
@@ -141,6 +155,8 @@ class Episode(msgspec.Struct, kw_only=True, gc=False):
     normalized_advantages: np.ndarray | None = None
     group_advantage: float | None = None
     normalized_return: float | None = None
+    group_members: int = 0
+    group_timed_out: bool = False
     loss_masks: list[np.ndarray] | None = None
     clipped: bool = False
     steps_dropped: int = 0
@@ -150,4 +166,55 @@ class Episode(msgspec.Struct, kw_only=True, gc=False):
     def episode_return(self) -> float:
         """``G_0``, the return of the whole episode (0 before rewards are computed)."""
         return float(self.returns[0]) if self.returns is not None and len(self.returns) else 0.0
+
+    @property
+    def termination(self) -> str:
+        """Why the episode stopped (:func:`schemas.events.termination_of`); empty when not complete."""
+        return termination_of(self.finished) if self.complete and self.finished is not None else ""
+
+    @property
+    def excluded_reason(self) -> str | None:
+        """Why a complete episode is not trained on, or None.
+
+        ``timeout``, ``error`` or ``aborted`` (cut off by the infrastructure:
+        its outcome of 0 is no verdict), else ``no_steps`` for a judged
+        episode without steps. None for judged episodes with steps, and for
+        incomplete ones (never training data anyway).
+        """
+        if not self.complete:
+            return None
+        termination = self.termination
+        if termination not in JUDGED_TERMINATIONS:
+            return termination
+        return None if self.steps else "no_steps"
+
+    @property
+    def trainable(self) -> bool:
+        """Judged (``done``/``max_steps``) and complete with >= 1 step: its credit is a verdict's."""
+        return self.complete and self.excluded_reason is None
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """Sampling parameters of the behaviour policy (defaults when ``episode_started`` is missing)."""
+        return self.started.sampling if self.started is not None else _DEFAULT_SAMPLING
+
+    @property
+    def group_size(self) -> int:
+        """Members the scheduler started in the episode's group (0: not declared)."""
+        return self.started.group_size if self.started is not None else 0
+
+    @property
+    def group_member(self) -> int:
+        """The episode's index in its group."""
+        return self.started.group_member if self.started is not None else 0
+
+    @property
+    def policy_lineage(self) -> str:
+        """Lineage of the behaviour policy (empty: base model or unknown)."""
+        return self.started.policy_lineage if self.started is not None else ""
+
+    @property
+    def group_key(self) -> GroupKey:
+        """The GRPO group whose statistics the episode's group advantage uses."""
+        return self.domain, self.task_group, self.policy_version
 

@@ -1,5 +1,19 @@
 """VerifySteps: re-run the domain's step verifiers over recorded steps, plus generic checks.
 
+Each verifier votes once per step (:attr:`schemas.datasets.Verification.counted`):
+
+* a rollout verdict (a ``step_verified`` event) counts;
+* the pipeline's re-run of a verifier the rollout already judged the step with
+  (same name) does not: it records agreement (``details`` start with
+  ``agrees`` / ``disagrees``) and a disagreement is counted per step
+  (:func:`step_disagreements`) and in ``pipeline/verifier_disagreements``;
+* a pipeline verdict of a verifier the rollout did not record counts;
+* data-quality checks (``pipeline.*``, e.g. :data:`TOKEN_CONSISTENCY`) never
+  count: they describe the data, not the action, and never enter the reward.
+
+``verification_score`` and ``steps_passed`` (and the shaped rewards) use the
+counted verdicts only (:func:`pipelines.rewards.verification_score`).
+
 Examples:
     >>> from schemas.events import Step
     >>> ok = Step(event_id="s", episode_id="ep", seq=1, producer_id="w", domain="math", task_id="t",
@@ -8,8 +22,14 @@ Examples:
     True
     >>> bad = Step(event_id="s", episode_id="ep", seq=1, producer_id="w", domain="math", task_id="t",
     ...            step_index=0, action_token_ids=[1, 2], behaviour_logprobs=[0.5, float("nan")])
-    >>> v = check_token_consistency(bad); v.passed, v.details
-    (False, 'logprobs > 0: 1, non-finite logprobs: 1')
+    >>> v = check_token_consistency(bad); v.passed, v.details, v.counted
+    (False, 'logprobs > 0: 1, non-finite logprobs: 1', False)
+    >>> rollout = Verification(verifier="math.check", passed=True, score=1.0)
+    >>> rerun = Verification(verifier="math.check", passed=False, score=0.0, source="pipeline")
+    >>> v = reconcile_verdict(rerun, {"math.check": rollout}); v.counted, v.details
+    (False, 'disagrees with rollout (passed=True, score=1.0)')
+    >>> step_disagreements([rollout, v])
+    1
 """
 
 from __future__ import annotations
@@ -27,15 +47,82 @@ from pipelines.types import METRICS_NAMESPACE, Episode
 from schemas.datasets import Verification
 from schemas.events import Step
 
-__all__ = ["VerifySteps", "check_token_consistency", "TOKEN_CONSISTENCY"]
+__all__ = [
+    "VerifySteps",
+    "VerifiersUnavailable",
+    "check_token_consistency",
+    "reconcile_verdict",
+    "step_disagreements",
+    "TOKEN_CONSISTENCY",
+]
 
 #: Name of the generic check every step gets.
 TOKEN_CONSISTENCY = "pipeline.token_consistency"
+#: Prefix of data-quality checks: recorded, never counted.
+DATA_QUALITY_PREFIX = "pipeline."
+
+
+class VerifiersUnavailable(RuntimeError):
+    """``use_domain_verifiers=True`` but ``rollout.verifiers`` does not import."""
+
+
+def _import_verifiers():
+    try:
+        from rollout.verifiers import VerifierNotFound, verify_step
+    except ImportError as err:
+        raise VerifiersUnavailable(
+            f"VerifySteps(use_domain_verifiers=True) needs `rollout.verifiers`, which does not import ({err}); "
+            "run from the trajpipe checkout (or install it: `make install`), or pass --no-domain-verifiers "
+            "(use_domain_verifiers=False) to keep the rollout-time verdicts only"
+        ) from err
+    return verify_step, VerifierNotFound
 
 _STEP_FIELDS = ("step_index", "action_text", "tool_name", "tool_args", "tool_result", "exit_status")
 
 
-_TOKENS_OK = Verification(verifier=TOKEN_CONSISTENCY, passed=True, score=1.0, details="ok", source="pipeline")
+_TOKENS_OK = Verification(verifier=TOKEN_CONSISTENCY, passed=True, score=1.0, details="ok", source="pipeline",
+                          counted=False)
+
+
+def _agrees(a: Verification, b: Verification) -> bool:
+    return a.passed == b.passed and abs(a.score - b.score) <= 1e-9
+
+
+def reconcile_verdict(ours: Verification, rollout: dict[str, Verification]) -> Verification:
+    """The pipeline's verdict as recorded: a vote, or an agreement check of the rollout's verdict.
+
+    Args:
+        ours: a pipeline verdict (``source="pipeline"``).
+        rollout: the step's rollout verdicts by verifier name (the first of each name).
+
+    Returns:
+        ``ours`` unchanged (it counts) when the rollout has no verdict of that
+        verifier and it is not a data-quality check; else a copy with
+        ``counted=False`` whose ``details`` say whether it agrees.
+    """
+    if ours.verifier.startswith(DATA_QUALITY_PREFIX):
+        return ours if not ours.counted else msgspec.structs.replace(ours, counted=False)
+    theirs = rollout.get(ours.verifier)
+    if theirs is None:
+        return ours
+    word = "agrees" if _agrees(ours, theirs) else "disagrees"
+    details = f"{word} with rollout (passed={theirs.passed}, score={theirs.score})"
+    if not _agrees(ours, theirs) and ours.details:
+        details += f"; pipeline: {ours.details}"
+    return msgspec.structs.replace(ours, counted=False, details=details[:500])
+
+
+def step_disagreements(verdicts: list[Verification]) -> int:
+    """Pipeline re-runs on one step whose verdict differs from the rollout's of the same verifier."""
+    reruns = [v for v in verdicts if not v.counted and v.source == "pipeline"
+              and not v.verifier.startswith(DATA_QUALITY_PREFIX)]
+    if not reruns:  # the common case without domain verifiers: no dict built
+        return 0
+    rollout: dict[str, Verification] = {}
+    for v in verdicts:
+        if v.source == "rollout":
+            rollout.setdefault(v.verifier, v)
+    return sum(1 for v in reruns if v.verifier in rollout and not _agrees(v, rollout[v.verifier]))
 
 
 def check_token_consistency(step: Step) -> Verification:
@@ -49,7 +136,7 @@ def check_token_consistency(step: Step) -> Verification:
     problems = []
     if len(lp) == 0:
         return Verification(verifier=TOKEN_CONSISTENCY, passed=True, score=0.5,
-                            details="no behaviour logprobs recorded", source="pipeline")
+                            details="no behaviour logprobs recorded", source="pipeline", counted=False)
     if len(lp) == n_tok and math.isfinite(float(lp.sum())) and lp.max() <= 0:  # the common case, 2 reductions
         return _TOKENS_OK
     if len(lp) != n_tok:
@@ -60,7 +147,7 @@ def check_token_consistency(step: Step) -> Verification:
     if not finite.all():
         problems.append(f"non-finite logprobs: {int((~finite).sum())}")
     return Verification(verifier=TOKEN_CONSISTENCY, passed=not problems, score=0.0 if problems else 1.0,
-                        details=", ".join(problems) or "ok", source="pipeline")
+                        details=", ".join(problems) or "ok", source="pipeline", counted=False)
 
 
 class _VerifyFn(beam.DoFn):
@@ -72,20 +159,18 @@ class _VerifyFn(beam.DoFn):
         self._failed = Metrics.counter(METRICS_NAMESPACE, "steps_failed_token_consistency")
         self._no_verifier = Metrics.counter(METRICS_NAMESPACE, "episodes_without_domain_verifier")
         self._errors = Metrics.counter(METRICS_NAMESPACE, "verifier_errors")
+        self._disagreements = Metrics.counter(METRICS_NAMESPACE, "verifier_disagreements")
+        self._agreements = Metrics.counter(METRICS_NAMESPACE, "verifier_agreements")
 
     def setup(self) -> None:
-        if not self._use_domain:
-            return
-        try:  # rollout/ is optional for the pipeline: without it, rollout-time verdicts only
-            from rollout.verifiers import VerifierNotFound, verify_step
-        except ImportError:
-            return
-        self._verify_step, self._not_found = verify_step, VerifierNotFound
+        if self._use_domain:
+            self._verify_step, self._not_found = _import_verifiers()
 
     def process(self, episode: Episode) -> Iterator[Episode]:
         spec = self._task_spec(episode) if self._verify_step is not None else None  # specs can be whole documents
         domain_ok = spec is not None
         verdicts = []
+        disagreements = agreements = 0
         for step, recorded in zip(episode.steps, episode.verdicts):
             ours = [check_token_consistency(step)]
             if not ours[0].passed:
@@ -93,20 +178,34 @@ class _VerifyFn(beam.DoFn):
             if domain_ok:
                 fields = {k: getattr(step, k) for k in _STEP_FIELDS}
                 try:
-                    ours.extend(
-                        Verification(verifier=v.verifier, passed=v.passed, score=v.score, details=v.details,
-                                     source="pipeline")
-                        for v in self._verify_step(episode.domain, spec, fields)
-                    )
+                    rerun = self._verify_step(episode.domain, spec, fields)
                 except self._not_found:
                     domain_ok = False
                     self._no_verifier.inc()
                 except (ValueError, TypeError, KeyError) as err:
                     self._errors.inc()
+                    # A verifier that crashed judged nothing: recorded, no vote.
                     ours.append(Verification(verifier=f"{episode.domain}.verifier_error", passed=False, score=0.0,
-                                             details=str(err)[:200], source="pipeline"))
+                                             details=str(err)[:200], source="pipeline", counted=False))
+                else:
+                    rollout: dict[str, Verification] = {}
+                    for v in recorded:
+                        rollout.setdefault(v.verifier, v)
+                    for v in rerun:
+                        got = reconcile_verdict(Verification(verifier=v.verifier, passed=v.passed, score=v.score,
+                                                             details=v.details, source="pipeline"), rollout)
+                        if not got.counted:
+                            if _agrees(got, rollout[v.verifier]):
+                                agreements += 1
+                            else:
+                                disagreements += 1
+                        ours.append(got)
             verdicts.append([*recorded, *ours])
         self._checked.inc(len(episode.steps))
+        if disagreements:
+            self._disagreements.inc(disagreements)
+        if agreements:
+            self._agreements.inc(agreements)
         yield msgspec.structs.replace(episode, verdicts=verdicts)
 
     @staticmethod
@@ -126,19 +225,27 @@ class _VerifyFn(beam.DoFn):
 class VerifySteps(beam.PTransform):
     """Add the pipeline's verdicts to each step of each episode.
 
-    Keeps the rollout-time ``step_verified`` verdicts (``source="rollout"``)
-    and appends, with ``source="pipeline"``: :func:`check_token_consistency`
-    on every step, and the domain's verifiers from
-    ``rollout.verifiers.verify_step`` (imported lazily; a domain without a
-    registered verifier keeps only the rollout-time verdicts).
+    Keeps the rollout-time ``step_verified`` verdicts (``source="rollout"``,
+    counted) and appends, with ``source="pipeline"``: :func:`check_token_consistency`
+    on every step (never counted), and the domain's verifiers from
+    ``rollout.verifiers.verify_step`` — a vote where the rollout has no verdict
+    of that verifier, an agreement check (not counted) where it has
+    (:func:`reconcile_verdict`; see the module docstring). A domain without a
+    registered verifier keeps only the rollout-time verdicts.
 
     Args:
         use_domain_verifiers: run ``rollout.verifiers`` (False: generic check only).
+
+    Raises:
+        VerifiersUnavailable: ``use_domain_verifiers`` is set and
+            ``rollout.verifiers`` does not import (checked at construction).
     """
 
     def __init__(self, *, use_domain_verifiers: bool = True) -> None:
         super().__init__()
         self._use_domain = use_domain_verifiers
+        if use_domain_verifiers:
+            _import_verifiers()  # fail in the driver, with the fix, not in a worker
 
     def expand(self, episodes):
         return episodes | "Verify" >> beam.ParDo(_VerifyFn(self._use_domain)).with_output_types(Episode)
