@@ -8,6 +8,8 @@ Layout under ``<out>`` for dataset version ``V = <recipe name>-<hash8>``::
     _manifests/V/<n>.json                               one per commit, the commit point
     _state/norm-<recipe hash>.json                      persisted normalization statistics
     _state/V/pending-<n>.arrow                          events of unfinished episodes after commit n
+    _state/V/groups-<n>.json                            GRPO groups held after commit n (pipelines.groups)
+    _state/V/held-<n>/domain=D/s<k>.{trajectories,steps}.arrow   their rows (un-normalized)
     _staging/V/<n>/...                                  files of commit n before it is committed
 
 Commit ``n`` (driver side, after the Beam job has written ``_staging/V/<n>/``):
@@ -18,7 +20,8 @@ Commit ``n`` (driver side, after the Beam job has written ``_staging/V/<n>/``):
    input it covers (archive commits or Kafka offsets), the counts, the
    event-time clock and the state files;
 3. rename every staged file into place (``os.replace``), then drop the
-   staging directory and older pending files.
+   staging directory and older pending files (and older held-group state
+   when the commit wrote its own).
 
 :func:`recover` runs before every job: a staging directory whose manifest
 exists is rolled forward (step 3 redone; idempotent), one without is rolled
@@ -47,8 +50,9 @@ import msgspec
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
+from pipelines.groups import GroupState, HeldPart, HeldState
 from pipelines.normalize import NormState, RunningStats, load_norm_state
-from pipelines.sinks import PENDING_FILE, RUN_STATS_FILE, STAGED_SUFFIX
+from pipelines.sinks import GROUPS_FILE, HELD_DIR, PENDING_FILE, RUN_STATS_FILE, STAGED_SUFFIX
 from schemas.datasets import DATASET_SCHEMA_VERSION
 from schemas.events import SCHEMA_VERSION
 from schemas.storage import atomic_write, fsync_dir
@@ -65,6 +69,8 @@ __all__ = [
     "covered_offsets",
     "committed_episode_ids",
     "latest_pending_file",
+    "load_held_state",
+    "held_episode_ids",
 ]
 
 _LOG = logging.getLogger(__name__)
@@ -108,6 +114,10 @@ class DatasetManifest(msgspec.Struct, kw_only=True):
             stream mode the offsets of the records whose batches fell into the pane.
         files: every file of the commit (data and state).
         pending_file: the pending-state file after this commit (None: nothing pending).
+        groups_file: the held-group state after this commit (None: the commit decided
+            no groups, e.g. a stream's pending-state commit; the last one that did stands).
+        held_parts: base paths (relative to ``<out>``) of the held groups' rows
+            (``<base>.trajectories.arrow``, ``<base>.steps.arrow``), with ``groups_file``.
         norm_file: the persisted statistics file.
         clock_s: event-time clock (epoch seconds) after this commit.
         counts: the run's counts (events_in, episodes, steps, dead_letters, ...).
@@ -129,6 +139,8 @@ class DatasetManifest(msgspec.Struct, kw_only=True):
     offsets: dict[str, dict[int, list[int]]] = {}
     files: list[CommittedFile] = []
     pending_file: str | None = None
+    groups_file: str | None = None
+    held_parts: list[str] = []
     norm_file: str | None = None
     clock_s: float = 0.0
     counts: dict[str, int] = {}
@@ -172,6 +184,12 @@ class DatasetLayout(msgspec.Struct, frozen=True):
     def pending_file(self, commit: int) -> str:
         return f"_state/{self.version}/pending-{commit:08d}.arrow"
 
+    def groups_file(self, commit: int) -> str:
+        return f"_state/{self.version}/groups-{commit:08d}.json"
+
+    def held_dir(self, commit: int) -> str:
+        return f"_state/{self.version}/held-{commit:08d}"
+
 
 def read_manifests(layout: DatasetLayout) -> list[DatasetManifest]:
     """The committed manifests of a version, in commit order.
@@ -206,12 +224,21 @@ def _roll_forward(layout: DatasetLayout, manifest: DatasetManifest) -> int:
     for d in (layout.staging_root, layout.staging_root.parent):
         if d.exists() and not any(d.iterdir()):
             d.rmdir()
+    state = layout.root / "_state" / layout.version
+    # Held-group state of earlier commits is superseded by this one's, if it wrote one.
+    if manifest.groups_file is not None:
+        for old in state.glob("groups-*.json"):
+            if str(old.relative_to(layout.root)) != manifest.groups_file:
+                old.unlink()
+        for old in state.glob("held-*"):
+            if str(old.relative_to(layout.root)) != layout.held_dir(manifest.commit):
+                shutil.rmtree(old)
     # Pending state of earlier commits is superseded by this one's. A stream window commit
     # writes none and supersedes nothing: the stream's pending state is written when it stops.
     if manifest.mode == "stream" and manifest.pending_file is None:
         return moved
     keep = {manifest.pending_file}
-    for old in (layout.root / "_state" / layout.version).glob("pending-*.arrow"):
+    for old in state.glob("pending-*.arrow"):
         if str(old.relative_to(layout.root)) not in keep:
             old.unlink()
     return moved
@@ -264,7 +291,9 @@ def commit_staged(
     staged_rel = lambda p: str(p.relative_to(layout.root))  # noqa: E731
     files: list[CommittedFile] = []
     run_stats: dict[str, RunningStats] = {}
-    pending_file = None
+    pending_file = groups_file = None
+    held_parts: set[str] = set()
+    held_prefix = f"state/{HELD_DIR}/"
     for p in sorted(staging.rglob(f"*{STAGED_SUFFIX}")):
         rel = str(p.relative_to(staging))[: -len(STAGED_SUFFIX)]
         if rel == f"state/{RUN_STATS_FILE}":
@@ -274,13 +303,26 @@ def commit_staged(
             pending_file = layout.pending_file(n)
             files.append(CommittedFile(path=pending_file, staged=staged_rel(p)))
             continue
+        if rel == f"state/{GROUPS_FILE}":
+            groups_file = layout.groups_file(n)
+            files.append(CommittedFile(path=groups_file, staged=staged_rel(p)))
+            continue
+        if rel.startswith(held_prefix):  # <domain dir>/s<k>.<table>.arrow
+            path = f"{layout.held_dir(n)}/{rel[len(held_prefix):]}"
+            held_parts.add(path.rsplit(".", 2)[0])
+            files.append(CommittedFile(path=path, staged=staged_rel(p)))
+            continue
         files.append(CommittedFile(path=rel, staged=staged_rel(p), rows=pq.ParquetFile(p).metadata.num_rows))
+    # The `group` family of earlier versions is per run now (pipelines.groups): not carried on.
+    prior_norm = NormState(recipe_hash=prior_norm.recipe_hash,
+                           stats={k: v for k, v in prior_norm.stats.items() if not k.startswith("group/")})
     norm = prior_norm.merged(run_stats)
     norm_staged = staging / "state" / ("norm.json" + STAGED_SUFFIX)
     norm_staged.parent.mkdir(parents=True, exist_ok=True)
     norm_staged.write_bytes(msgspec.json.encode(norm, order="sorted"))
     files.append(CommittedFile(path=layout.norm_file, staged=staged_rel(norm_staged)))
-    manifest = msgspec.structs.replace(manifest, files=files, pending_file=pending_file, norm_file=layout.norm_file)
+    manifest = msgspec.structs.replace(manifest, files=files, pending_file=pending_file, groups_file=groups_file,
+                                       held_parts=sorted(held_parts), norm_file=layout.norm_file)
     if crash_at == "before_manifest":
         raise CommitError(f"simulated crash before the manifest of commit {n}")
     atomic_write(layout.manifests / f"{n:08d}.json", msgspec.json.encode(manifest))
@@ -346,3 +388,35 @@ def latest_pending_file(layout: DatasetLayout, manifests: list[DatasetManifest])
             path = layout.root / m.pending_file
             return path if path.exists() else None
     return None
+
+
+def load_held_state(layout: DatasetLayout, manifests: list[DatasetManifest]) -> HeldState:
+    """The GRPO groups held by the newest commit that decided groups, and their rows' files (empty if none).
+
+    Raises:
+        CommitError: a held-state file the manifest names is missing.
+    """
+    for m in reversed(manifests):
+        if m.groups_file is None:
+            continue
+        path = layout.root / m.groups_file
+        missing = [str(p) for p in (path, *(layout.root / f"{b}.{t}.arrow" for b in m.held_parts
+                                             for t in ("trajectories", "steps"))) if not p.exists()]
+        if missing:
+            raise CommitError(f"commit {m.commit} of {layout.version} names held-group state that is missing: "
+                              f"{missing[:3]}; restore it from a backup, or start a new dataset version")
+        parts = []
+        for base in m.held_parts:
+            domain_dir, name = base.split("/")[-2:]  # domain=<D>/s<k>
+            parts.append(HeldPart(domain=domain_dir[len("domain="):], shard=int(name[1:]),
+                                  base=str(layout.root / base)))
+        return HeldState(groups=msgspec.json.decode(path.read_bytes(), type=GroupState), parts=parts)
+    return HeldState()
+
+
+def held_episode_ids(held: HeldState) -> set[str]:
+    """Ids of the episodes whose rows are held (they count as emitted: their events again are duplicates)."""
+    import pyarrow.feather as feather
+
+    return {i for part in held.parts
+            for i in feather.read_table(f"{part.base}.trajectories.arrow", columns=["episode_id"]).column(0).to_pylist()}

@@ -343,7 +343,8 @@ class AssembleEpisodesFromFrames(beam.PTransform):
     ``undecided`` and ``clock`` join the decision and the clock.
 
     Returns:
-        ``{"episodes", "pending", "incomplete", "dead_letters"}``.
+        ``{"episodes", "pending", "incomplete", "dead_letters", "clock"}``; ``clock``
+        is the run's event-time clock, one float (epoch seconds).
     """
 
     def __init__(self, *, incomplete_after_s: float = 3600.0, clock_floor_s: float = 0.0,
@@ -380,4 +381,5 @@ class AssembleEpisodesFromFrames(beam.PTransform):
             PENDING_TAG: decided[PENDING_TAG],
             INCOMPLETE_TAG: decided[INCOMPLETE_TAG],
             DEAD_LETTER_TAG: assembled[DEAD_LETTER_TAG],
+            CLOCK_TAG: clock,
         }

@@ -1,4 +1,4 @@
-"""NormalizeByDomain: per-domain and per-task-group statistics, normalized advantages.
+"""NormalizeByDomain: per-domain statistics and per-group advantages, normalized advantages.
 
 Statistics are count/mean/M2 triples (Welford), merged with Chan et al.'s
 parallel formula (https://en.wikipedia.org/wiki/Algorithms_for_calculating_variance#Parallel_algorithm)::
@@ -7,25 +7,36 @@ parallel formula (https://en.wikipedia.org/wiki/Algorithms_for_calculating_varia
     mean = mean_a + d * n_b / n
     M2 = M2_a + M2_b + d^2 * n_a * n_b / n,   std = sqrt(M2 / n)  (population)
 
-Three families, all persisted across micro-batches in
+Only **trainable** episodes (judged, :attr:`pipelines.types.Episode.trainable`)
+enter any statistics; the others get 0 for every normalized value.
+
+Two families are persisted across micro-batches in
 ``<out>/_state/norm-<recipe hash>.json`` (merged and saved at commit):
 
 * ``advantage/<domain>``: the per-step advantages ``A_t`` of the domain;
   ``normalization: domain`` gives ``adv_norm_t = (A_t - mean_d) / (std_d + eps)``.
 * ``return/<domain>``: episode returns ``G_0``; ``normalized_return``.
-* ``group/<task_group>``: episode returns of a GRPO group;
-  ``group_advantage = (G_0 - mean_g) / (std_g + eps)`` (arXiv:2402.03300 §4.1.2),
-  and ``normalization: group`` uses it as every step's ``adv_norm_t``.
 
-Within a run the statistics come from a ``CombinePerKey`` (of episodes,
-:class:`ComputeNormStats`; in the trajectory job, of the partial statistics
-of each staged row part, :func:`stats_of_tables`), merged with the persisted
-ones of earlier runs, so every episode of one run is normalized with the same
-numbers; over a single run from empty state the domain-normalized advantages
-have mean 0 and std ``std/(std+eps)`` ≈ 1. :class:`NormalizeByDomain` applies
-them to episodes (a side input); the trajectory job applies them to the
-dataset rows in its shard writer instead (:func:`normalize_tables`, same
-formulas, vectorized), which spares a pass that would re-encode every episode.
+Group statistics are per GRPO group and never persisted nor merged across
+groups (:mod:`pipelines.groups`): over the trainable members of the
+episode's whole group, ``group_advantage`` is GRPO's
+``(G_0 - mean_g) / (std_g + eps)`` (arXiv:2402.03300 §4.1.2;
+:func:`pipelines.recipes.grpo_advantage`), or Dr. GRPO's ``G_0 - mean_g``
+with ``normalization: group_mean`` (arXiv:2503.20783 §3.2;
+:func:`pipelines.recipes.dr_grpo_advantage`); both group modes use it as
+every step's ``adv_norm_t``.
+
+In the trajectory job the writer computes the run's statistics from its
+staged rows (:func:`pipelines.groups.group_stats_of_tables`, per group; the
+domain families are the merge over the groups released,
+:func:`pipelines.groups.domain_stats`), merges them with the persisted ones,
+so every episode of one run is normalized with the same numbers, and
+applies them to the dataset rows in its shard writer
+(:func:`normalize_tables`, vectorized), which spares a pass that would
+re-encode every episode; over a single run from empty state the
+domain-normalized advantages of trainable steps have mean 0 and std
+``std/(std+eps)`` ≈ 1. :class:`NormalizeByDomain` applies the same formulas
+to episodes (a side input; every group taken as whole).
 
 Examples:
     >>> a, b = RunningStats.of([1.0, 2.0]), RunningStats.of([3.0, 4.0, 5.0])
@@ -49,7 +60,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from apache_beam.metrics import Metrics
 
-from pipelines.recipes import Recipe
+from pipelines.recipes import Recipe, dr_grpo_advantage, grpo_advantage
 from pipelines.types import METRICS_NAMESPACE, Episode
 
 __all__ = [
@@ -59,7 +70,6 @@ __all__ = [
     "NormalizeByDomain",
     "normalize_episode",
     "stats_of_episodes",
-    "stats_of_tables",
     "merge_stats",
     "normalize_tables",
     "ComputeNormStats",
@@ -117,8 +127,8 @@ class NormState(msgspec.Struct, kw_only=True):
 
     Attributes:
         recipe_hash: the recipe's content hash.
-        stats: ``<family>/<key>`` → statistics, families ``advantage``,
-            ``return`` (per domain) and ``group`` (per task group).
+        stats: ``<family>/<domain>`` → statistics, families ``advantage`` and
+            ``return`` (earlier versions also kept a ``group`` family: ignored).
     """
 
     recipe_hash: str
@@ -159,33 +169,53 @@ class StatsCombineFn(beam.CombineFn):
 
 
 def _stat_inputs(episode: Episode) -> Iterator[tuple[str, np.ndarray]]:
+    if not episode.trainable:
+        return
     yield f"advantage/{episode.domain}", episode.advantages
-    ret = np.array([episode.episode_return])
-    yield f"return/{episode.domain}", ret
-    yield f"group/{episode.task_group}", ret
+    yield f"return/{episode.domain}", np.array([episode.episode_return])
 
 
-def normalize_episode(episode: Episode, stats: Mapping[str, RunningStats], *, mode: str, eps: float) -> Episode:
-    """A copy with ``normalized_advantages``, ``group_advantage`` and ``normalized_return`` set."""
+def _group_advantage(R, mean, std, *, mode: str, eps: float):
+    """The recipe's group advantage: Dr. GRPO's for ``group_mean``, GRPO's otherwise."""
+    if mode == "group_mean":
+        return dr_grpo_advantage(R, mean=mean)
+    return grpo_advantage(R, mean=mean, std=std, eps=eps)
+
+
+def normalize_episode(episode: Episode, stats: Mapping[str, RunningStats], group: Any | None, *, mode: str,
+                      eps: float) -> Episode:
+    """A copy with ``normalized_advantages``, ``group_advantage``, ``normalized_return`` and group fields set.
+
+    Args:
+        episode: a complete, rewarded episode.
+        stats: domain statistics (``advantage/<domain>``, ``return/<domain>``).
+        group: the episode's released group (:class:`pipelines.groups.ReleasedGroup`), or None.
+        mode: the recipe's ``normalization``.
+        eps: added to the standard deviations.
+    """
+    g_stats = group.stats.returns if group is not None else RunningStats()
+    members = {"group_members": g_stats.n, "group_timed_out": bool(group is not None and group.timed_out)}
+    if not episode.trainable:
+        return msgspec.structs.replace(episode, normalized_advantages=np.zeros(len(episode.steps)),
+                                       group_advantage=0.0, normalized_return=0.0, **members)
     adv = stats.get(f"advantage/{episode.domain}", RunningStats())
     ret = stats.get(f"return/{episode.domain}", RunningStats())
-    grp = stats.get(f"group/{episode.task_group}", RunningStats())
     R = episode.episode_return
-    group_adv = (R - grp.mean) / (grp.std + eps)
+    group_adv = _group_advantage(R, g_stats.mean, g_stats.std, mode=mode, eps=eps)
     if mode == "domain":
         adv_norm = (episode.advantages - adv.mean) / (adv.std + eps)
-    elif mode == "group":
+    elif mode in ("group", "group_mean"):
         adv_norm = np.full(len(episode.advantages), group_adv)
     else:
         adv_norm = episode.advantages.copy()
     return msgspec.structs.replace(
         episode, normalized_advantages=adv_norm, group_advantage=float(group_adv),
-        normalized_return=float((R - ret.mean) / (ret.std + eps)),
+        normalized_return=float((R - ret.mean) / (ret.std + eps)), **members,
     )
 
 
 def stats_of_episodes(episodes: Iterable[Episode]) -> dict[str, RunningStats]:
-    """The statistics of a set of episodes (what ``NormalizeByDomain``'s ``CombinePerKey`` computes)."""
+    """The domain statistics of a set of episodes, trainable ones only (what ``ComputeNormStats`` computes)."""
     values: dict[str, list[np.ndarray]] = {}
     for episode in episodes:
         for key, v in _stat_inputs(episode):
@@ -193,87 +223,95 @@ def stats_of_episodes(episodes: Iterable[Episode]) -> dict[str, RunningStats]:
     return {k: RunningStats.of(np.concatenate(vs)) for k, vs in sorted(values.items())}
 
 
-def stats_of_tables(trajs: pa.Table, steps: pa.Table, *, domain: str) -> dict[str, RunningStats]:
-    """:func:`stats_of_episodes` of complete trajectories given as dataset tables of one domain (vectorized).
-
-    Examples:
-        >>> t = pa.table({"task_group": ["g", "g", "h"], "episode_return": [1.0, 0.0, 2.0]})
-        >>> s = pa.table({"advantage": [1.0, 0.0, 1.0, 2.0]})
-        >>> st = stats_of_tables(t, s, domain="d")
-        >>> sorted(st), st["group/g"], st["return/d"].n
-        (['advantage/d', 'group/g', 'group/h', 'return/d'], RunningStats(n=2, mean=0.5, m2=0.5), 3)
-    """
-    out = {f"advantage/{domain}": RunningStats.of(steps["advantage"].to_numpy()),
-           f"return/{domain}": RunningStats.of(trajs["episode_return"].to_numpy())}
-    groups = trajs.group_by("task_group").aggregate([
-        ("episode_return", "count"), ("episode_return", "mean"),
-        ("episode_return", "variance", pc.VarianceOptions(ddof=0)),
-    ])
-    for g, n, mean, var in zip(*(groups[c].to_pylist() for c in (
-            "task_group", "episode_return_count", "episode_return_mean", "episode_return_variance"))):
-        out[f"group/{g}"] = RunningStats(n=n, mean=mean, m2=var * n)
-    return out
-
-
-def _lookup(stats: Mapping[str, RunningStats], family: str,
-            keys: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """Per row, the mean and std of ``stats[f"{family}/{key}"]`` (0, 0 where absent)."""
+def _lookup(table: Mapping[str, Any], keys: pa.ChunkedArray | pa.Array, default: Any,
+            fields: tuple[str, ...]) -> list[np.ndarray]:
+    """Per row, ``fields`` of ``table[key]`` (``default``'s where absent), one array per field."""
     uniq = pc.unique(keys)
-    found = [stats.get(f"{family}/{k}", RunningStats()) for k in uniq.to_pylist()]
-    means = np.array([s.mean for s in found], dtype=np.float64)
-    stds = np.array([s.std for s in found], dtype=np.float64)
+    found = [table.get(k, default) for k in uniq.to_pylist()]
     idx = pc.index_in(keys, value_set=uniq).to_numpy(zero_copy_only=False)
-    return means[idx], stds[idx]
+    return [np.array([getattr(f, name) for f in found])[idx] if len(found) else np.array([]) for name in fields]
 
 
-def normalize_tables(trajs: pa.Table, steps: pa.Table, stats: Mapping[str, RunningStats], *, mode: str,
-                     eps: float, domain: str | None = None) -> tuple[pa.Table, pa.Table]:
+class _NoGroup(msgspec.Struct, frozen=True):
+    mean: float = 0.0
+    std: float = 0.0
+    n: int = 0
+    timed_out: bool = False
+
+
+def normalize_tables(trajs: pa.Table, steps: pa.Table, stats: Mapping[str, RunningStats],
+                     groups: Mapping[tuple[str, str, int], Any], *, mode: str, eps: float,
+                     domain: str | None = None) -> tuple[pa.Table, pa.Table]:
     """:func:`normalize_episode` on dataset tables (trajectory and step files), vectorized.
 
     The same formulas in float64, so the same numbers: for writers that
     normalize after the rows are built (no Episode, texts and all, has to be
-    kept for it). Sets ``group_advantage``/``normalized_return`` of complete
-    trajectories and ``normalized_advantage``/``group_advantage`` of their
-    steps; incomplete trajectories keep theirs (0). ``domain`` stands in for
-    the ``domain`` column of files that have it as a hive partition key.
+    kept for it). Sets ``group_advantage``/``normalized_return`` of trainable
+    trajectories, ``group_members``/``group_timed_out`` of complete ones
+    (from their released group, ``groups[(domain, task_group,
+    policy_version)]``, a :class:`pipelines.groups.ReleasedGroup`), and
+    ``normalized_advantage``/``group_advantage``/``group_size`` of their steps;
+    untrainable episodes keep 0 and incomplete trajectories keep theirs.
+    ``domain`` stands in for the ``domain`` column of files that have it as a
+    hive partition key.
 
     Examples:
+        >>> from pipelines.groups import GroupStats, ReleasedGroup
         >>> t = pa.table({"episode_id": ["a", "b"], "domain": ["d", "d"], "task_group": ["g", "g"],
-        ...               "complete": [True, True], "episode_return": [1.0, 0.0],
-        ...               "group_advantage": [0.0, 0.0], "normalized_return": [0.0, 0.0]})
+        ...               "policy_version": [0, 0], "complete": [True, True], "trainable": [True, True],
+        ...               "episode_return": [1.0, 0.0], "group_advantage": [0.0, 0.0],
+        ...               "normalized_return": [0.0, 0.0], "group_members": [0, 0], "group_timed_out": [False, False]})
         >>> s = pa.table({"episode_id": ["a", "b"], "domain": ["d", "d"], "advantage": [1.0, 0.0],
-        ...               "normalized_advantage": [0.0, 0.0], "group_advantage": [0.0, 0.0]})
-        >>> st = {"advantage/d": RunningStats.of([1.0, 0.0]), "return/d": RunningStats.of([1.0, 0.0]),
-        ...       "group/g": RunningStats.of([1.0, 0.0])}
-        >>> t2, s2 = normalize_tables(t, s, st, mode="domain", eps=0.0)
-        >>> s2["normalized_advantage"].to_pylist(), t2["group_advantage"].to_pylist()
-        ([1.0, -1.0], [1.0, -1.0])
+        ...               "normalized_advantage": [0.0, 0.0], "group_advantage": [0.0, 0.0], "group_size": [0, 0]})
+        >>> st = {"advantage/d": RunningStats.of([1.0, 0.0]), "return/d": RunningStats.of([1.0, 0.0])}
+        >>> groups = {("d", "g", 0): ReleasedGroup(stats=GroupStats(size=2, members=(0, 1), episodes=2,
+        ...                                                           returns=RunningStats.of([1.0, 0.0])))}
+        >>> t2, s2 = normalize_tables(t, s, st, groups, mode="domain", eps=0.0)
+        >>> s2["normalized_advantage"].to_pylist(), t2["group_advantage"].to_pylist(), s2["group_size"].to_pylist()
+        ([1.0, -1.0], [1.0, -1.0], [2, 2])
     """
+    from pipelines.groups import group_key_strings  # pipelines.groups builds on this module
+
+    if trajs.num_rows == 0:
+        return trajs, steps
     complete = trajs["complete"].to_numpy(zero_copy_only=False).astype(bool)
+    trainable = complete & trajs["trainable"].to_numpy(zero_copy_only=False).astype(bool)
     R = trajs["episode_return"].to_numpy(zero_copy_only=False).astype(np.float64)
-    g_mean, g_std = _lookup(stats, "group", trajs["task_group"])
-    r_mean, r_std = _lookup(stats, "return", _column(trajs, "domain", domain))
-    group_adv = np.where(complete, (R - g_mean) / (g_std + eps),
+    domains = _column(trajs, "domain", domain)
+    by_key = {f"{d}\x1f{tg}\x1f{pv}": _NoGroup(mean=g.stats.returns.mean, std=g.stats.returns.std,
+                                                  n=g.stats.returns.n, timed_out=g.timed_out)
+              for (d, tg, pv), g in groups.items()}
+    keys = pc.binary_join_element_wise(domains, group_key_strings(trajs), "\x1f")
+    g_mean, g_std, g_n, g_timed = _lookup(by_key, keys, _NoGroup(), ("mean", "std", "n", "timed_out"))
+    returns = {k[len("return/"):]: s for k, s in stats.items() if k.startswith("return/")}
+    r_mean, r_std = _lookup(returns, domains, RunningStats(), ("mean", "std"))
+    group_adv = np.where(trainable, _group_advantage(R, g_mean, g_std, mode=mode, eps=eps),
                          trajs["group_advantage"].to_numpy(zero_copy_only=False))
-    norm_ret = np.where(complete, (R - r_mean) / (r_std + eps),
+    norm_ret = np.where(trainable, (R - r_mean) / (r_std + eps),
                         trajs["normalized_return"].to_numpy(zero_copy_only=False))
     trajs = _set(trajs, "group_advantage", group_adv)
     trajs = _set(trajs, "normalized_return", norm_ret)
+    trajs = _set(trajs, "group_members", np.where(complete, g_n, trajs["group_members"].to_numpy()))
+    trajs = _set(trajs, "group_timed_out", np.where(complete, g_timed, trajs["group_timed_out"].to_numpy(
+        zero_copy_only=False)))
     if steps.num_rows == 0:
         return trajs, steps
     # Steps of incomplete trajectories are never written; every step has its (complete) trajectory.
     of_traj = pc.index_in(steps["episode_id"], value_set=trajs["episode_id"]).to_numpy(zero_copy_only=False)
     A = steps["advantage"].to_numpy(zero_copy_only=False).astype(np.float64)
+    step_trainable = trainable[of_traj]
     step_group_adv = group_adv[of_traj]
     if mode == "domain":
-        a_mean, a_std = _lookup(stats, "advantage", _column(steps, "domain", domain))
+        advantages = {k[len("advantage/"):]: s for k, s in stats.items() if k.startswith("advantage/")}
+        a_mean, a_std = _lookup(advantages, _column(steps, "domain", domain), RunningStats(), ("mean", "std"))
         adv_norm = (A - a_mean) / (a_std + eps)
-    elif mode == "group":
+    elif mode in ("group", "group_mean"):
         adv_norm = step_group_adv
     else:
         adv_norm = A
-    steps = _set(steps, "normalized_advantage", adv_norm)
+    steps = _set(steps, "normalized_advantage", np.where(step_trainable, adv_norm, 0.0))
     steps = _set(steps, "group_advantage", step_group_adv)
+    steps = _set(steps, "group_size", g_n[of_traj])
     return trajs, steps
 
 
@@ -296,12 +334,17 @@ class _NormalizeFn(beam.DoFn):
         self._mode, self._eps = mode, eps
         self._n = Metrics.counter(METRICS_NAMESPACE, "episodes_normalized")
 
-    def process(self, episode: Episode, run_stats: Mapping[str, RunningStats]) -> Iterator[Episode]:
-        # Merge only the three keys this episode needs (prior ⊕ this run).
-        keys = (f"advantage/{episode.domain}", f"return/{episode.domain}", f"group/{episode.task_group}")
+    def process(self, episode: Episode, run_stats: Mapping[str, RunningStats],
+                run_groups: Mapping[tuple[str, str, int], Any]) -> Iterator[Episode]:
+        from pipelines.groups import ReleasedGroup
+
+        # Merge only the two keys this episode needs (prior ⊕ this run).
+        keys = (f"advantage/{episode.domain}", f"return/{episode.domain}")
         stats = {k: self._prior.get(k, RunningStats()).merge(run_stats.get(k, RunningStats())) for k in keys}
+        group = run_groups.get(episode.group_key)
         self._n.inc()
-        yield normalize_episode(episode, stats, mode=self._mode, eps=self._eps)
+        yield normalize_episode(episode, stats, ReleasedGroup(stats=group) if group is not None else None,
+                                mode=self._mode, eps=self._eps)
 
 
 def merge_stats(stats: Iterable[RunningStats]) -> RunningStats:
@@ -313,7 +356,7 @@ def merge_stats(stats: Iterable[RunningStats]) -> RunningStats:
 
 
 class ComputeNormStats(beam.PTransform):
-    """Episodes → ``(key, RunningStats)`` of this run (families ``advantage``, ``return``, ``group``).
+    """Episodes → ``(key, RunningStats)`` of this run (families ``advantage``, ``return``; trainable episodes).
 
     Only the advantages and the return of each episode go into the combine (a
     slim projection), so the episodes themselves are never re-encoded for it.
@@ -328,10 +371,14 @@ class ComputeNormStats(beam.PTransform):
 
 
 class NormalizeByDomain(beam.PTransform):
-    """Normalize advantages with per-domain / per-group statistics (prior runs ⊕ this run).
+    """Normalize advantages with per-domain (prior runs ⊕ this run) and per-group statistics.
+
+    The episode-level twin of the trajectory job's writer for a set of
+    complete episodes: every GRPO group is taken as whole (no holding; see
+    :mod:`pipelines.groups` for the writer's rule).
 
     Args:
-        recipe: gives ``normalization`` (``domain``, ``group``, ``none``) and ``eps``.
+        recipe: gives ``normalization`` (``domain``, ``group``, ``group_mean``, ``none``) and ``eps``.
         prior: persisted statistics of earlier micro-batches (``NormState.stats``).
 
     Returns:
@@ -345,10 +392,14 @@ class NormalizeByDomain(beam.PTransform):
         self._prior = dict(prior or {})
 
     def expand(self, episodes) -> dict[str, Any]:
+        from pipelines.groups import group_stats_of_episode, merge_group_stats
+
         run_stats = episodes | "ComputeNormStats" >> ComputeNormStats()
+        run_groups = (episodes
+                      | "GroupInputs" >> beam.Map(lambda e: (e.group_key, group_stats_of_episode(e)))
+                      | "GroupStats" >> beam.CombinePerKey(merge_group_stats))
         normalized = episodes | "Normalize" >> beam.ParDo(
             _NormalizeFn(self._prior, self._recipe.normalization, self._recipe.eps),
-            run_stats=beam.pvalue.AsDict(run_stats),
+            run_stats=beam.pvalue.AsDict(run_stats), run_groups=beam.pvalue.AsDict(run_groups),
         ).with_output_types(Episode)
         return {"episodes": normalized, STATS_TAG: run_stats}
-

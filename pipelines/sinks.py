@@ -5,7 +5,14 @@ under names that do not end in ``.parquet`` (``*.parquet.tmp``), mirroring the
 final layout; :mod:`pipelines.commit` makes it visible with a manifest and
 renames. File names are deterministic (``c<commit>-s<shard>``) and rows are
 sorted by ``(episode_id, step_index)``, so a rerun of the same input writes
-the same bytes to the same names.
+the same bytes to the same names. Parquet row groups hold whole episodes
+(about :data:`ROW_GROUP_ROWS` rows each): a reader that takes a row group as
+its unit gets every step of an episode together.
+
+Rows of GRPO groups that are not whole yet are *held* (:mod:`pipelines.groups`):
+staged under ``state/held/`` (Arrow IPC, un-normalized), committed as state
+and fed back into the next commit's writer, which writes them with the rest
+of their group.
 
 Examples:
     >>> final_path("steps", version="outcome-1a2b3c4d", domain="math", commit=3, shard=0)
@@ -35,9 +42,24 @@ from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
 from pipelines.gcpause import gc_paused
-from pipelines.normalize import STATS_TAG, NormState, RunningStats, merge_stats, normalize_tables, stats_of_tables
+from pipelines.groups import (
+    DEFAULT_GROUP_TIMEOUT_S,
+    CommitGroups,
+    GroupState,
+    GroupStats,
+    HeldGroup,
+    HeldState,
+    decide_commit,
+    group_key_strings,
+    group_stats_of_tables,
+    key_string,
+    merge_group_stats,
+)
+from pipelines.normalize import STATS_TAG, RunningStats, normalize_tables
 from pipelines.recipes import Recipe
-from pipelines.types import METRICS_NAMESPACE, Episode
+from pipelines.rewards import step_passed, verification_score
+from pipelines.types import METRICS_NAMESPACE, Episode, GroupKey
+from pipelines.verify import step_disagreements
 from schemas.arrow import arrow_schema_for, events_to_table
 from schemas.datasets import StepRow, TrajectoryRow, step_file_schema, trajectory_file_schema
 from schemas.deadletter import DeadLetter
@@ -53,17 +75,30 @@ __all__ = [
     "final_path",
     "incomplete_path",
     "stage_files",
+    "StagedCommit",
+    "finalize_shard",
+    "row_group_starts",
+    "write_parquet",
     "STAGED_SUFFIX",
     "PENDING_FILE",
     "RUN_STATS_FILE",
+    "GROUPS_FILE",
+    "HELD_DIR",
+    "ROW_GROUP_ROWS",
 ]
 
 #: Suffix of staged files (so no ``*.parquet`` glob ever matches them).
 STAGED_SUFFIX = ".tmp"
 #: Staged pending-state file (events of unfinished episodes, archive schema, Arrow IPC).
 PENDING_FILE = "pending.arrow"
-#: Staged statistics of this run (``key -> [n, mean, m2]``).
+#: Staged statistics of this run (``key -> [n, mean, m2]``): the domain families of the groups released.
 RUN_STATS_FILE = "run-stats.json"
+#: Staged held-group state (:class:`pipelines.groups.GroupState`, JSON).
+GROUPS_FILE = "groups.json"
+#: Staged directory (under ``state/``) of held rows, ``domain=<D>/s<shard>.{trajectories,steps}.arrow``.
+HELD_DIR = "held"
+#: Target rows per Parquet row group; a group ends only where an episode ends.
+ROW_GROUP_ROWS = 65_536
 
 _DEAD_LETTER_SCHEMA = arrow_schema_for(DeadLetter)
 
@@ -88,23 +123,24 @@ def _recipe_ids(recipe: Recipe) -> tuple[str, str]:
     return _LAST_RECIPE[1]
 
 
-def _verified(verdicts) -> bool:
-    return all(v.passed for v in verdicts)
-
-
-def trajectory_row(episode: Episode, recipe: Recipe) -> TrajectoryRow:
+def trajectory_row(episode: Episode, recipe: Recipe, *, disagreements: int | None = None) -> TrajectoryRow:
     """The ``trajectories/`` row of an episode (complete or not).
 
     An episode not normalized yet gets ``group_advantage``/``normalized_return``
-    0 (:func:`pipelines.normalize.normalize_tables` fills them in).
+    0 and ``group_members`` 0 (:func:`pipelines.normalize.normalize_tables`
+    fills them in). ``disagreements`` is the episode's total of
+    :func:`pipelines.verify.step_disagreements` when the caller has it.
     """
     version, h = _recipe_ids(recipe)
     fin, started, complete = episode.finished, episode.started, episode.complete
+    if disagreements is None:
+        disagreements = sum(step_disagreements(vs) for vs in episode.verdicts) if complete else 0
     return TrajectoryRow(
         episode_id=episode.episode_id, domain=episode.domain, recipe=version, recipe_hash=h,
         task_id=episode.task_id, task_group=episode.task_group, policy_version=episode.policy_version,
-        difficulty=started.difficulty if started is not None else 0, status=_status(episode), complete=complete,
-        incomplete_reason=episode.incomplete_reason, num_events=episode.num_events,
+        difficulty=started.difficulty if started is not None else 0, status=_status(episode),
+        termination=episode.termination, trainable=episode.trainable, excluded_reason=episode.excluded_reason,
+        complete=complete, incomplete_reason=episode.incomplete_reason, num_events=episode.num_events,
         num_steps=len(episode.steps) if complete else 0, steps_dropped=episode.steps_dropped,
         action_tokens=sum(len(s.action_token_ids) for s in episode.steps) if complete else 0,
         tokens_masked=episode.tokens_masked, clipped=episode.clipped,
@@ -112,8 +148,11 @@ def trajectory_row(episode: Episode, recipe: Recipe) -> TrajectoryRow:
         episode_return=episode.episode_return if complete else 0.0,
         normalized_return=episode.normalized_return if episode.normalized_return is not None else 0.0,
         group_advantage=episode.group_advantage if episode.group_advantage is not None else 0.0,
-        verifier_summary=fin.verifier_summary if fin is not None else "",
-        steps_passed=sum(_verified(vs) for vs in episode.verdicts) if complete else 0,
+        group_size=episode.group_size, group_member=episode.group_member, group_members=episode.group_members,
+        group_timed_out=episode.group_timed_out, policy_lineage=episode.policy_lineage,
+        verifier_summary=fin.verifier_summary if fin is not None else "", verifier_disagreements=disagreements,
+        completed_late=False,
+        steps_passed=sum(step_passed(vs) for vs in episode.verdicts) if complete else 0,
         first_event_time=episode.first_event_time, last_event_time=episode.last_event_time,
     )
 
@@ -122,38 +161,41 @@ def _status(episode: Episode) -> str:
     return episode.finished.status.value if episode.finished is not None and episode.complete else "incomplete"
 
 
-def _verification_score(verdicts: list) -> float:
-    return sum([v.score for v in verdicts]) / len(verdicts) if verdicts else 0.0
-
-
 def episode_rows(episode: Episode, recipe: Recipe) -> tuple[TrajectoryRow, list[StepRow]]:
     """The dataset rows of an episode, one object per row (no step rows for an incomplete one).
 
     The definition of every column; :class:`RowsBuffer` builds the same
     tables column-wise (tests hold the two equal). An episode not normalized
-    yet gets ``normalized_advantage``/``group_advantage`` 0.
+    yet gets ``normalized_advantage``/``group_advantage``/``group_size`` 0.
     """
     version, h = _recipe_ids(recipe)
     norm = episode.normalized_advantages
     status = _status(episode)
+    sampling = episode.sampling
     steps: list[StepRow] = []
+    disagreements = 0
     if episode.complete:
         last = len(episode.steps) - 1
         for t, (s, vs) in enumerate(zip(episode.steps, episode.verdicts)):
+            n_disagree = step_disagreements(vs)
+            disagreements += n_disagree
             steps.append(StepRow(
                 episode_id=episode.episode_id, step_index=s.step_index, event_id=s.event_id,
                 domain=episode.domain, recipe=version, recipe_hash=h, task_id=episode.task_id,
                 task_group=episode.task_group, policy_version=s.policy_version, status=status,
                 num_steps=len(episode.steps), observation_token_ids=s.observation_token_ids,
                 action_token_ids=s.action_token_ids, behaviour_logprobs=s.behaviour_logprobs,
+                temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                context_cut_start=s.context_cut_start, context_cut_tokens=s.context_cut_tokens,
+                policy_lineage=episode.policy_lineage, trainable=episode.trainable,
                 loss_mask=episode.loss_masks[t], reward=float(episode.rewards[t]),
                 return_to_go=float(episode.returns[t]), advantage=float(episode.advantages[t]),
                 normalized_advantage=float(norm[t]) if norm is not None else 0.0,
-                group_advantage=float(episode.group_advantage or 0.0), verifications=vs,
-                verification_score=_verification_score(vs), clipped=episode.clipped and t == last,
-                event_time=s.event_time,
+                group_advantage=float(episode.group_advantage or 0.0), group_size=episode.group_members,
+                verifications=vs, verification_score=verification_score(vs, recipe.verifier_weights),
+                verifier_disagreements=n_disagree, clipped=episode.clipped and t == last, event_time=s.event_time,
             ))
-    return trajectory_row(episode, recipe), steps
+    return trajectory_row(episode, recipe, disagreements=disagreements if episode.complete else 0), steps
 
 
 class RowsBuffer:
@@ -165,12 +207,15 @@ class RowsBuffer:
     """
 
     _LISTED = ("episode_id", "step_index", "event_id", "task_id", "task_group", "policy_version", "status",
-               "num_steps", "observation_token_ids", "action_token_ids", "behaviour_logprobs", "loss_mask",
-               "group_advantage", "verifications", "verification_score", "clipped", "event_time")
+               "num_steps", "observation_token_ids", "action_token_ids", "behaviour_logprobs", "temperature",
+               "top_p", "top_k", "context_cut_start", "context_cut_tokens", "policy_lineage", "trainable",
+               "loss_mask", "group_advantage", "group_size", "verifications", "verification_score",
+               "verifier_disagreements", "clipped", "event_time")
     _ARRAYS = ("reward", "return_to_go", "advantage", "normalized_advantage")
 
     def __init__(self, recipe: Recipe) -> None:
         self._recipe = recipe
+        self._weights = recipe.verifier_weights
         self._trajs: list[TrajectoryRow] = []
         self._cols: dict[str, list[Any]] = {k: [] for k in self._LISTED + self._ARRAYS}
         self.steps = 0
@@ -179,10 +224,13 @@ class RowsBuffer:
         return len(self._trajs)
 
     def add(self, episode: Episode) -> None:
-        self._trajs.append(trajectory_row(episode, self._recipe))
         if not episode.complete or not episode.steps:
+            self._trajs.append(trajectory_row(episode, self._recipe))
             return
-        ss, c, n = episode.steps, self._cols, len(episode.steps)
+        ss, c, n, vss = episode.steps, self._cols, len(episode.steps), episode.verdicts
+        disagreements = [step_disagreements(vs) for vs in vss]
+        self._trajs.append(trajectory_row(episode, self._recipe, disagreements=sum(disagreements)))
+        sampling = episode.sampling
         c["episode_id"] += [episode.episode_id] * n
         c["step_index"] += [s.step_index for s in ss]
         c["event_id"] += [s.event_id for s in ss]
@@ -194,10 +242,19 @@ class RowsBuffer:
         c["observation_token_ids"] += [s.observation_token_ids for s in ss]
         c["action_token_ids"] += [s.action_token_ids for s in ss]
         c["behaviour_logprobs"] += [s.behaviour_logprobs for s in ss]
+        c["temperature"] += [sampling.temperature] * n
+        c["top_p"] += [sampling.top_p] * n
+        c["top_k"] += [sampling.top_k] * n
+        c["context_cut_start"] += [s.context_cut_start for s in ss]
+        c["context_cut_tokens"] += [s.context_cut_tokens for s in ss]
+        c["policy_lineage"] += [episode.policy_lineage] * n
+        c["trainable"] += [episode.trainable] * n
         c["loss_mask"] += episode.loss_masks
         c["group_advantage"] += [float(episode.group_advantage or 0.0)] * n
-        c["verifications"] += episode.verdicts
-        c["verification_score"] += [_verification_score(vs) for vs in episode.verdicts]
+        c["group_size"] += [episode.group_members] * n
+        c["verifications"] += vss
+        c["verification_score"] += [verification_score(vs, self._weights) for vs in vss]
+        c["verifier_disagreements"] += disagreements
         c["clipped"] += [False] * (n - 1) + [episode.clipped]
         c["event_time"] += [s.event_time for s in ss]
         c["reward"].append(episode.rewards)
@@ -266,33 +323,76 @@ def _column(values: list[Any] | np.ndarray, typ: pa.DataType) -> pa.Array:
     return pa.array(values, type=typ)
 
 
-def _write_parquet(table: pa.Table, path: Path) -> None:
+def row_group_starts(episode_ids: pa.Array | pa.ChunkedArray, *, target: int = ROW_GROUP_ROWS) -> list[int]:
+    """First row of each Parquet row group of rows sorted by episode: groups end only where an episode ends.
+
+    Greedy: each group takes whole episodes while it stays within ``target``
+    rows; an episode longer than ``target`` gets a group of its own.
+
+    Examples:
+        >>> row_group_starts(pa.array(["a", "a", "b", "b", "b", "c", "d", "d"]), target=4)  # a a | b b b c | d d
+        [0, 2, 6]
+        >>> row_group_starts(pa.array(["a"] * 5 + ["b"]), target=2)  # a is longer than a group
+        [0, 5]
+    """
+    n = len(episode_ids)
+    if n <= target:
+        return [0]
+    ids = episode_ids.combine_chunks() if isinstance(episode_ids, pa.ChunkedArray) else episode_ids
+    changed = pc.not_equal(ids.slice(1), ids.slice(0, n - 1)).to_numpy(zero_copy_only=False)
+    starts = np.concatenate([[0], np.flatnonzero(changed) + 1, [n]])  # episode starts, then the end
+    out = [0]
+    while out[-1] + target < n:
+        i = int(np.searchsorted(starts, out[-1] + target, side="right")) - 1  # last episode start within target
+        nxt = int(starts[i])
+        if nxt <= out[-1]:  # the group's first episode alone is longer than target
+            nxt = int(starts[np.searchsorted(starts, out[-1], side="right")])
+        if nxt >= n:
+            break
+        out.append(nxt)
+    return out
+
+
+def write_parquet(table: pa.Table, path: Path, *, row_group_rows: int = ROW_GROUP_ROWS) -> None:
+    """Write a dataset file; with an ``episode_id`` column (sorted), row groups hold whole episodes.
+
+    zstd; dictionary pages and min/max statistics for the scalar columns only
+    (ids, names: few distinct values, and min/max lets readers skip row
+    groups); token and logprob lists are near-unique and only cost time there.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Dictionary pages for the scalar columns (ids, names: few distinct values); token and logprob
-    # lists are near-unique and only cost time in a dictionary.
-    # Statistics likewise: min/max of ids and numbers let readers skip row groups; of token lists they don't.
     scalar = [f.name for f in table.schema if not pa.types.is_list(f.type)]
-    pq.write_table(table, path, compression="zstd", use_dictionary=scalar, write_statistics=scalar)
+    if "episode_id" in table.column_names:
+        starts = row_group_starts(table["episode_id"], target=row_group_rows)
+    else:
+        starts = list(range(0, max(table.num_rows, 1), row_group_rows))
+    ends = [*starts[1:], table.num_rows]
+    with pq.ParquetWriter(path, table.schema, compression="zstd", use_dictionary=scalar,
+                          write_statistics=scalar) as writer:
+        for start, end in zip(starts, ends):
+            writer.write_table(table.slice(start, end - start), row_group_size=max(end - start, 1))
+
 
 
 def write_shard(staging: str | Path, version: str, commit: int, domain: str, shard: int, trajs: pa.Table,
-                steps: pa.Table, *, stats: Mapping[str, RunningStats] | None, mode: str, eps: float) -> list[str]:
+                steps: pa.Table, *, stats: Mapping[str, RunningStats] | None,
+                groups: Mapping[GroupKey, Any] | None = None, mode: str, eps: float) -> list[str]:
     """One (domain, shard)'s rows → its staged steps and trajectories files; returns their final paths.
 
     Rows are sorted by ``(episode_id, step_index)`` (deterministic bytes
     whatever order they came in); with ``stats`` set they are normalized first
-    (:func:`pipelines.normalize.normalize_tables`).
+    (:func:`pipelines.normalize.normalize_tables`, group statistics from ``groups``).
     """
     trajs = _sorted(trajs, [("episode_id", "ascending")])
     steps = _sorted(steps, [("episode_id", "ascending"), ("step_index", "ascending")])
     if stats is not None:
-        trajs, steps = normalize_tables(trajs, steps, stats, mode=mode, eps=eps, domain=domain)
+        trajs, steps = normalize_tables(trajs, steps, stats, groups or {}, mode=mode, eps=eps, domain=domain)
     out = []
     for table, data in (("trajectories", trajs), ("steps", steps)):
         if data.num_rows == 0:
             continue
         rel = final_path(table, version=version, domain=domain, commit=commit, shard=shard)
-        _write_parquet(data, Path(staging) / (rel + STAGED_SUFFIX))
+        write_parquet(data, Path(staging) / (rel + STAGED_SUFFIX))
         out.append(rel)
     return out
 
@@ -305,6 +405,52 @@ def _sorted(table: pa.Table, keys: list[tuple[str, str]]) -> pa.Table:
     return table.take(idx)
 
 
+def held_part(domain: str, shard: int) -> str:
+    """Staged base path (relative to the staging directory) of a (domain, shard)'s held rows."""
+    return f"state/{HELD_DIR}/domain={domain}/s{shard:03d}"
+
+
+def finalize_shard(staging: str | Path, version: str, commit: int, domain: str, shard: int, trajs: pa.Table,
+                   steps: pa.Table, groups: CommitGroups, *, mode: str, eps: float) -> tuple[list[str], int, int]:
+    """One (domain, shard)'s un-normalized rows (new and held) → its staged files; ``(paths, steps, trajs)`` written.
+
+    Rows of groups ``groups`` holds go to the shard's held part
+    (``state/held/...``, Arrow IPC, sorted); the others are normalized with
+    ``groups.norm`` and their released group's statistics and written
+    (:func:`write_shard`). The counts are those of the rows written to the dataset.
+
+    Raises:
+        ValueError: rows of a group neither released nor held (the held state
+            does not match the held rows).
+    """
+    files: list[str] = []
+    held_keys = groups.held_keys(domain)
+    keys = group_key_strings(trajs) if trajs.num_rows else None
+    released_keys = [key_string(tg, pv) for d, tg, pv in groups.released if d == domain]
+    if keys is not None and not pc.all(pc.is_in(keys, value_set=pa.array(released_keys + held_keys,
+                                                                         pa.string()))).as_py():
+        raise ValueError(f"rows of domain {domain!r} shard {shard} belong to groups neither released nor held; the "
+                         "held-group state and the held rows disagree (rerun after `pipelines.commit.recover`)")
+    if held_keys and keys is not None:
+        is_held = pc.is_in(keys, value_set=pa.array(held_keys, pa.string()))
+        held_trajs = trajs.filter(is_held)
+        if held_trajs.num_rows:
+            step_held = pc.is_in(steps["episode_id"], value_set=held_trajs["episode_id"])
+            held_steps = steps.filter(step_held)
+            trajs, steps = trajs.filter(pc.invert(is_held)), steps.filter(pc.invert(step_held))
+            base = held_part(domain, shard)
+            for table, data in (("trajectories", _sorted(held_trajs, [("episode_id", "ascending")])),
+                                ("steps", _sorted(held_steps, [("episode_id", "ascending"),
+                                                               ("step_index", "ascending")]))):
+                path = Path(staging) / f"{base}.{table}.arrow{STAGED_SUFFIX}"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                feather.write_feather(data, path, compression="uncompressed")
+                files.append(f"{base}.{table}.arrow")
+    files += write_shard(staging, version, commit, domain, shard, trajs, steps, stats=groups.norm,
+                         groups=groups.released, mode=mode, eps=eps)
+    return files, steps.num_rows, trajs.num_rows
+
+
 #: Step rows a stage-rows buffer holds before it writes a part file.
 PART_ROWS = 50_000
 
@@ -313,7 +459,7 @@ class _StageRowsFn(beam.DoFn):
     """Complete episodes → un-normalized row *parts* (Arrow IPC), one per (domain, shard) per bundle.
 
     Emits ``((domain, shard), part base path)``, and on ``stats`` each
-    part's normalization statistics (:func:`pipelines.normalize.stats_of_tables`);
+    part's per-group statistics (:func:`pipelines.groups.group_stats_of_tables`);
     the parts of a commit live under ``<staging>/_parts/`` until
     :class:`_FinalizeShardFn` merges them.
     Names are random: a retried bundle writes new parts, and only the parts of
@@ -349,14 +495,44 @@ class _StageRowsFn(beam.DoFn):
             base.parent.mkdir(parents=True, exist_ok=True)
             feather.write_feather(trajs, f"{base}.trajectories.arrow", compression="uncompressed")
             feather.write_feather(steps, f"{base}.steps.arrow", compression="uncompressed")
-            for kv in stats_of_tables(trajs, steps, domain=key[0]).items():
+            for kv in group_stats_of_tables(trajs, steps, domain=key[0]).items():
                 yield beam.pvalue.TaggedOutput(STATS_TAG, kv)
             yield key, str(base)
         self._buf, self._n = {}, 0
 
 
+def _read_parts(bases: Sequence[str]) -> tuple[pa.Table, pa.Table]:
+    trajs = pa.concat_tables([feather.read_table(f"{b}.trajectories.arrow", memory_map=True) for b in bases])
+    steps = pa.concat_tables([feather.read_table(f"{b}.steps.arrow", memory_map=True) for b in bases])
+    return trajs, steps
+
+
+class _Decider:
+    """The commit's group decision (:func:`pipelines.groups.decide_commit`), once per bundle of side inputs."""
+
+    def __init__(self, held: Mapping[GroupKey, HeldGroup], timeout_s: float,
+                 prior: Mapping[str, RunningStats]) -> None:
+        self._held, self._timeout_s, self._prior = dict(held), timeout_s, dict(prior)
+        self._last: tuple[Any, CommitGroups] | None = None
+
+    def __call__(self, run_groups: Mapping[GroupKey, GroupStats], clock_s: float) -> CommitGroups:
+        if self._last is None or self._last[0] is not run_groups:
+            self._last = (run_groups, decide_commit(run_groups, self._held, clock_s=clock_s,
+                                                    timeout_s=self._timeout_s, prior=self._prior))
+        return self._last[1]
+
+
 class _FinalizeShardFn(beam.DoFn):
-    """The parts of one (domain, shard) → its staged, normalized files (``prior ⊕ run_stats``).
+    """The parts of one (domain, shard) → its staged, normalized files, and its held rows.
+
+    Each call applies the commit's group decision
+    (:func:`pipelines.groups.decide_commit` of the run's group statistics, the
+    held state of the last commit and the event-time clock — the same
+    decision in every shard): rows of released groups are normalized with
+    ``prior ⊕`` the released groups' domain statistics and written, rows of
+    held groups staged as held state (:func:`finalize_shard`). Parts under
+    the commit's ``_parts/`` are removed once merged; held parts of the last
+    commit (committed state) are only read.
 
     A shard's work (read its parts, normalize, sort, Parquet-encode) is Arrow
     and numpy code that releases the GIL, so the shards of a bundle run on a
@@ -367,10 +543,12 @@ class _FinalizeShardFn(beam.DoFn):
     """
 
     def __init__(self, staging: str, version: str, commit: int, *, mode: str = "none", eps: float = 1e-6,
-                 prior: Mapping[str, RunningStats] | None = None, threads: int | None = None) -> None:
+                 prior: Mapping[str, RunningStats] | None = None, held: Mapping[GroupKey, HeldGroup] | None = None,
+                 timeout_s: float = DEFAULT_GROUP_TIMEOUT_S, threads: int | None = None) -> None:
         self._staging, self._version, self._commit = staging, version, commit
         self._mode, self._eps = mode, eps
         self._prior = dict(prior or {})
+        self._held, self._timeout_s = dict(held or {}), timeout_s
         self._threads = threads
         self._steps = Metrics.counter(METRICS_NAMESPACE, "steps_written")
         self._trajs = Metrics.counter(METRICS_NAMESPACE, "trajectories_written")
@@ -380,15 +558,16 @@ class _FinalizeShardFn(beam.DoFn):
         threads = self._threads or min(4, os.cpu_count() or 1)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="finalize-shard")
         self._in_flight_max = threads
+        self._decide = _Decider(self._held, self._timeout_s, self._prior)
 
     def start_bundle(self) -> None:
         self._in_flight: collections.deque[Future] = collections.deque()
 
-    def process(self, element: tuple[tuple[str, int], Iterable[str]],
-                run_stats: Mapping[str, RunningStats]) -> Iterator[str]:
+    def process(self, element: tuple[tuple[str, int], Iterable[str]], run_groups: Mapping[GroupKey, GroupStats],
+                clock_s: float) -> Iterator[str]:
         (domain, shard), bases = element
-        stats = NormState(recipe_hash="", stats=self._prior).merged(run_stats).stats
-        self._in_flight.append(self._pool.submit(self._finalize, domain, shard, sorted(bases), stats))
+        groups = self._decide(run_groups, clock_s)
+        self._in_flight.append(self._pool.submit(self._finalize, domain, shard, sorted(bases), groups))
         while len(self._in_flight) >= self._in_flight_max:  # bounds memory: one shard's tables per thread
             yield from self._collect(self._in_flight.popleft())
 
@@ -415,16 +594,49 @@ class _FinalizeShardFn(beam.DoFn):
         self._normalized.inc(n_trajs)
         return files
 
-    def _finalize(self, domain: str, shard: int, bases: list[str],
-                  stats: Mapping[str, RunningStats]) -> tuple[list[str], int, int]:
-        trajs = pa.concat_tables([feather.read_table(f"{b}.trajectories.arrow", memory_map=True) for b in bases])
-        steps = pa.concat_tables([feather.read_table(f"{b}.steps.arrow", memory_map=True) for b in bases])
-        files = write_shard(self._staging, self._version, self._commit, domain, shard, trajs, steps,
-                            stats=stats, mode=self._mode, eps=self._eps)
+    def _finalize(self, domain: str, shard: int, bases: list[str], groups: CommitGroups) -> tuple[list[str], int, int]:
+        trajs, steps = _read_parts(bases)
+        out = finalize_shard(self._staging, self._version, self._commit, domain, shard, trajs, steps, groups,
+                             mode=self._mode, eps=self._eps)
+        staged_parts = str(Path(self._staging) / "_parts")
         for b in bases:
-            for table in ("trajectories", "steps"):
-                Path(f"{b}.{table}.arrow").unlink(missing_ok=True)
-        return files, steps.num_rows, trajs.num_rows
+            if b.startswith(staged_parts):  # never the last commit's held parts: committed state
+                for table in ("trajectories", "steps"):
+                    Path(f"{b}.{table}.arrow").unlink(missing_ok=True)
+        return out
+
+
+class _StageGroupStateFn(beam.DoFn):
+    """The run's group statistics → the commit's group decision → staged held state and run statistics.
+
+    One element (the run's ``{group key: GroupStats}``); writes
+    ``state/groups.json`` (the groups held now) and ``state/run-stats.json``
+    (the released groups' domain statistics, which the commit merges into the
+    persisted ones), and counts ``groups_released``, ``groups_held``,
+    ``groups_timed_out`` and ``episodes_held``.
+    """
+
+    def __init__(self, staging: str, *, prior: Mapping[str, RunningStats], held: Mapping[GroupKey, HeldGroup],
+                 timeout_s: float) -> None:
+        self._staging = staging
+        self._decide = _Decider(held, timeout_s, prior)
+        self._c = {k: Metrics.counter(METRICS_NAMESPACE, k)
+                   for k in ("groups_released", "groups_held", "groups_timed_out", "episodes_held")}
+
+    def process(self, run_groups: Mapping[GroupKey, GroupStats], clock_s: float) -> Iterator[str]:
+        groups = self._decide(run_groups, clock_s)
+        for k, v in groups.counts().items():
+            self._c[k].inc(v)
+        yield from _write_group_state(groups, self._staging)
+
+
+def _write_group_state(groups: CommitGroups, staging: str | Path) -> Iterator[str]:
+    state = Path(staging) / "state"
+    state.mkdir(parents=True, exist_ok=True)
+    (state / (GROUPS_FILE + STAGED_SUFFIX)).write_bytes(msgspec.json.encode(GroupState.of(groups.held)))
+    (state / (RUN_STATS_FILE + STAGED_SUFFIX)).write_bytes(msgspec.json.encode(groups.run))
+    yield "state/" + GROUPS_FILE
+    yield "state/" + RUN_STATS_FILE
 
 
 def _write_incomplete(trajs: list[TrajectoryRow], staging: str, version: str, commit: int) -> Iterator[str]:
@@ -434,7 +646,7 @@ def _write_incomplete(trajs: list[TrajectoryRow], staging: str, version: str, co
     for domain in sorted(by_domain):
         rows = sorted(by_domain[domain], key=lambda tr: tr.episode_id)
         rel = incomplete_path(version=version, domain=domain, commit=commit)
-        _write_parquet(rows_to_table(rows, trajectory_file_schema()), Path(staging) / (rel + STAGED_SUFFIX))
+        write_parquet(rows_to_table(rows, trajectory_file_schema()), Path(staging) / (rel + STAGED_SUFFIX))
         yield rel
 
 
@@ -443,7 +655,7 @@ def _write_dead_letters(letters: list[DeadLetter], staging: str, version: str, c
         return
     letters = sorted(letters, key=lambda d: (d.source_topic, d.source_partition, d.source_offset, d.reason, d.message))
     rel = f"dead_letters/recipe={version}/c{commit:08d}.parquet"
-    _write_parquet(rows_to_table(letters, _DEAD_LETTER_SCHEMA), Path(staging) / (rel + STAGED_SUFFIX))
+    write_parquet(rows_to_table(letters, _DEAD_LETTER_SCHEMA), Path(staging) / (rel + STAGED_SUFFIX))
     yield rel
 
 
@@ -457,11 +669,17 @@ def _write_pending(fragments: list[tuple[str, list]], staging: str) -> Iterator[
     yield "state/" + PENDING_FILE
 
 
-def _write_stats(stats: dict[str, Any], staging: str) -> Iterator[str]:
-    path = Path(staging) / "state" / (RUN_STATS_FILE + STAGED_SUFFIX)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(msgspec.json.encode(dict(sorted(stats.items()))))
-    yield "state/" + RUN_STATS_FILE
+class StagedCommit(msgspec.Struct, kw_only=True):
+    """What :func:`stage_files` staged.
+
+    Attributes:
+        files: the staged files' final relative paths (held parts and state as ``state/...``).
+        counts: ``groups_released``, ``groups_held``, ``groups_timed_out``,
+            ``episodes_held`` (empty when the commit decided no groups).
+    """
+
+    files: list[str]
+    counts: dict[str, int] = {}
 
 
 def stage_files(
@@ -472,14 +690,19 @@ def stage_files(
     episodes: Sequence[Episode] = (),
     pending: Sequence[tuple[str, list]] = (),
     dead_letters: Sequence[DeadLetter] = (),
-    stats: Mapping[str, RunningStats] | None = None,
     prior: Mapping[str, RunningStats] | None = None,
+    held: HeldState | None = None,
+    clock_s: float = 0.0,
+    group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
     shards: int = 1,
-) -> list[str]:
+) -> StagedCommit:
     """Write one commit's staged files in this process: the same files :class:`WriteDatasets` writes.
 
     For a single writer that holds all of a commit's elements (the streaming
-    job's per-window commit).
+    job's per-window commit). With ``held`` given, the commit decides the GRPO
+    groups (:func:`pipelines.groups.decide_commit`, the batch job's rule):
+    released groups are written, held ones (with the held rows of ``held``)
+    staged as the new held state.
 
     Args:
         staging: ``<out>/_staging/<version>/<commit>``.
@@ -488,29 +711,49 @@ def stage_files(
         episodes: complete (rewarded, clipped, not normalized) and incomplete episodes.
         pending: ``(episode_id, events)`` of open episodes.
         dead_letters: this commit's dead letters.
-        stats: ``key -> RunningStats`` of this commit's complete episodes.
-        prior: persisted statistics; complete episodes are normalized with ``prior ⊕ stats``.
+        prior: persisted statistics; released rows are normalized with ``prior ⊕`` the released groups'.
+        held: the held state of the last commit; None: this commit decides no groups
+            (it must then have no complete episodes, e.g. the streaming job's pending-state commit).
+        clock_s: the event-time clock after this commit (group timeouts).
+        group_timeout_s: event-time seconds a group waits for missing members.
         shards: files per (table, domain).
 
-    Returns:
-        The staged files' final relative paths.
+    Raises:
+        ValueError: complete episodes given without ``held``.
     """
-    by_shard: dict[tuple[str, int], list[Episode]] = {}
+    complete = [e for e in episodes if e.complete]
     incomplete = [trajectory_row(e, recipe) for e in episodes if not e.complete]
-    for episode in (e for e in episodes if e.complete):
-        shard = zlib.crc32(episode.episode_id.encode()) % shards
-        by_shard.setdefault((episode.domain, shard), []).append(episode)
-    merged = NormState(recipe_hash="", stats=dict(prior or {})).merged(dict(stats or {})).stats
-    files = []
-    for (domain, shard), shard_episodes in sorted(by_shard.items()):
-        trajs, steps = episodes_to_tables(shard_episodes, recipe)
-        files += write_shard(staging, recipe.version, commit, domain, shard, trajs, steps, stats=merged,
-                             mode=recipe.normalization, eps=recipe.eps)
+    if complete and held is None:
+        raise ValueError("stage_files got complete episodes but no `held` state: pass the last commit's HeldState "
+                         "(pipelines.commit.load_held_state) so their groups can be decided")
+    files: list[str] = []
+    counts: dict[str, int] = {}
+    if held is not None:
+        tables: dict[tuple[str, int], list[tuple[pa.Table, pa.Table]]] = {}
+        by_shard: dict[tuple[str, int], list[Episode]] = {}
+        for episode in complete:
+            shard = zlib.crc32(episode.episode_id.encode()) % shards
+            by_shard.setdefault((episode.domain, shard), []).append(episode)
+        run: dict[GroupKey, GroupStats] = {}
+        for key, shard_episodes in sorted(by_shard.items()):
+            trajs, steps = episodes_to_tables(shard_episodes, recipe)
+            tables.setdefault(key, []).append((trajs, steps))
+            for gk, st in group_stats_of_tables(trajs, steps, domain=key[0]).items():
+                run[gk] = run[gk].merge(st) if gk in run else st
+        for part in held.parts:
+            tables.setdefault((part.domain, part.shard % shards), []).append(_read_parts([part.base]))
+        groups = decide_commit(run, held.groups.by_key(), clock_s=clock_s, timeout_s=group_timeout_s,
+                               prior=prior or {})
+        for (domain, shard), ts in sorted(tables.items()):
+            trajs, steps = pa.concat_tables([t for t, _ in ts]), pa.concat_tables([s for _, s in ts])
+            files += finalize_shard(staging, recipe.version, commit, domain, shard, trajs, steps, groups,
+                                    mode=recipe.normalization, eps=recipe.eps)[0]
+        files += _write_group_state(groups, staging)
+        counts = groups.counts()
     files += _write_incomplete(incomplete, str(staging), recipe.version, commit)
     files += _write_dead_letters(list(dead_letters), str(staging), recipe.version, commit)
     files += _write_pending(list(pending), str(staging))
-    files += _write_stats(dict(stats or {}), str(staging))
-    return files
+    return StagedCommit(files=files, counts=counts)
 
 
 class WriteDatasets(beam.PTransform):
@@ -519,17 +762,25 @@ class WriteDatasets(beam.PTransform):
     Input: a dict of PCollections — ``episodes`` (complete, rewarded and
     clipped; or a tuple of such PCollections, branches of one job),
     ``incomplete`` (Episodes with ``complete=False``), ``pending``
-    (``(episode_id, events)``) and ``dead_letters`` (DeadLetter). The run's
-    normalization statistics come from the staged parts themselves.
+    (``(episode_id, events)``), ``dead_letters`` (DeadLetter) and ``clock``
+    (one float: the run's event-time clock, epoch seconds; default 0). The
+    run's statistics come from the staged parts themselves.
 
     Complete episodes become rows where they are (each bundle writes its
-    rows, un-normalized, as Arrow *part* files under ``<staging>/_parts/``);
-    a GroupByKey of the part *paths* per (domain, shard) then merges each
-    shard's parts, normalizes them with ``prior ⊕ stats`` (a side input,
-    vectorized: :func:`pipelines.normalize.normalize_tables`), sorts and
-    writes them. The rows never go through Beam's coders: normalizing the
-    episodes in the pipeline would need the statistics of all of them first,
-    i.e. one more pass that encodes and decodes every episode, tokens and all.
+    rows, un-normalized, as Arrow *part* files under ``<staging>/_parts/``,
+    and emits each part's per-group statistics). A GroupByKey of the part
+    *paths* per (domain, shard), joined by the held parts of the last
+    commit, then merges each shard's parts and applies the commit's group
+    decision (side inputs: the run's group statistics and the clock;
+    :func:`pipelines.groups.decide_commit`): rows of released groups are
+    normalized with ``prior ⊕`` the released groups' domain statistics
+    (vectorized: :func:`pipelines.normalize.normalize_tables`), sorted and
+    written; rows of held groups are staged as held state. One more step
+    applies the same decision to stage the held groups' state and the run's
+    domain statistics. The rows never go through Beam's coders: normalizing
+    the episodes in the pipeline would need the statistics of all of them
+    first, i.e. one more pass that encodes and decodes every episode, tokens
+    and all.
 
     Args:
         staging: ``<out>/_staging/<version>/<commit>``.
@@ -538,18 +789,25 @@ class WriteDatasets(beam.PTransform):
         shards: files per (table, domain) per commit; episodes are spread by
             ``crc32(episode_id) % shards``.
         prior: persisted statistics of earlier commits (``NormState.stats``).
+        held: the held state of the last commit (:func:`pipelines.commit.load_held_state`).
+        group_timeout_s: event-time seconds a group waits for missing members.
 
     Returns:
         PCollection of the staged files' final relative paths (informational).
     """
 
     def __init__(self, staging: str | Path, recipe: Recipe, *, commit: int, shards: int = 1,
-                 prior: Mapping[str, RunningStats] | None = None) -> None:
+                 prior: Mapping[str, RunningStats] | None = None, held: HeldState | None = None,
+                 group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> None:
         super().__init__()
         if shards < 1:
             raise ValueError(f"`shards` must be >= 1, got {shards}")
+        if group_timeout_s < 0:
+            raise ValueError(f"`group_timeout_s` must be >= 0, got {group_timeout_s}")
         self._staging, self._recipe, self._commit, self._shards = str(staging), recipe, commit, shards
         self._prior = dict(prior or {})
+        self._held = held or HeldState()
+        self._timeout_s = group_timeout_s
 
     def expand(self, pcolls: dict):
         staging, version, commit = self._staging, self._recipe.version, self._commit
@@ -557,24 +815,40 @@ class WriteDatasets(beam.PTransform):
         # more encode/decode pass of every row on FnApiRunner (it materializes multi-input Flattens).
         branches = pcolls["episodes"]
         branches = tuple(branches) if isinstance(branches, (tuple, list)) else (branches,)
+        p = branches[0].pipeline
         staged = [
             b | f"StageRows{i or ''}" >> beam.ParDo(_StageRowsFn(staging, self._recipe, self._shards))
             .with_output_types(Tuple[Tuple[str, int], str]).with_outputs(STATS_TAG, main="parts")
             for i, b in enumerate(branches)
         ]
-        if len(staged) == 1:
-            parts, partial_stats = staged[0].parts, staged[0][STATS_TAG]
-        else:
-            parts = tuple(st.parts for st in staged) | "AllParts" >> beam.Flatten()
-            partial_stats = tuple(st[STATS_TAG] for st in staged) | "AllPartStats" >> beam.Flatten()
-        stats = partial_stats | "RunStats" >> beam.CombinePerKey(merge_stats)
+        parts = [st.parts for st in staged]
+        partial_stats = [st[STATS_TAG] for st in staged]
+        if self._held.parts:
+            held_parts = [((h.domain, h.shard % self._shards), h.base) for h in self._held.parts]
+            parts.append(p | "HeldParts" >> beam.Create(held_parts, reshuffle=False).with_output_types(
+                Tuple[Tuple[str, int], str]))
+        parts = parts[0] if len(parts) == 1 else tuple(parts) | "AllParts" >> beam.Flatten()
+        partial_stats = (partial_stats[0] if len(partial_stats) == 1
+                         else tuple(partial_stats) | "AllPartStats" >> beam.Flatten())
+        group_stats = partial_stats | "RunGroupStats" >> beam.CombinePerKey(merge_group_stats)
+        clock = pcolls.get("clock")
+        if clock is None:
+            clock = p | "NoClock" >> beam.Create([0.0])
+        held = self._held.groups.by_key()
         data_files = (
             parts
             | "GroupParts" >> beam.GroupByKey()
             | "FinalizeShards" >> beam.ParDo(
                 _FinalizeShardFn(staging, version, commit, mode=self._recipe.normalization, eps=self._recipe.eps,
-                                 prior=self._prior),
-                run_stats=beam.pvalue.AsDict(stats))
+                                 prior=self._prior, held=held, timeout_s=self._timeout_s),
+                run_groups=beam.pvalue.AsDict(group_stats), clock_s=beam.pvalue.AsSingleton(clock))
+        )
+        state_files = (
+            group_stats
+            | "CollectGroupStats" >> beam.combiners.ToDict()
+            | "StageGroupState" >> beam.ParDo(
+                _StageGroupStateFn(staging, prior=self._prior, held=held, timeout_s=self._timeout_s),
+                clock_s=beam.pvalue.AsSingleton(clock))
         )
         recipe = self._recipe
         incomplete_files = (
@@ -593,9 +867,4 @@ class WriteDatasets(beam.PTransform):
             | "CollectPending" >> beam.combiners.ToList().without_defaults()
             | "WritePending" >> beam.FlatMap(_write_pending, staging)
         )
-        stats_files = (
-            stats
-            | "CollectStats" >> beam.combiners.ToDict()
-            | "WriteStats" >> beam.FlatMap(_write_stats, staging)
-        )
-        return (data_files, incomplete_files, dead_files, pending_files, stats_files) | "StagedFiles" >> beam.Flatten()
+        return (data_files, incomplete_files, dead_files, pending_files, state_files) | "StagedFiles" >> beam.Flatten()

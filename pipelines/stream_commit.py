@@ -6,8 +6,9 @@ of a pane's elements are grouped on one constant key (one writer per window
 pane), and that writer runs the protocol of :mod:`pipelines.commit` under the
 version's commit lock::
 
-    recover → drop episodes already committed (by episode_id, over all manifests)
-    → normalize (persisted statistics ⊕ this pane's) → stage files
+    recover → drop episodes already committed or held (by episode_id, over all manifests)
+    → decide GRPO groups (held state of the last commit ⊕ this pane's episodes)
+    → normalize (persisted statistics ⊕ the released groups') → stage files and the new held state
     → manifest (commit point: files, Kafka offsets covered, window, pane) → renames
 
 Windowing: ``FixedWindows(window_s)`` on the elements' event time (the
@@ -18,12 +19,17 @@ delivers after its window fired lands in a later commit instead of being
 dropped. Elements later than that are dropped by the runner (counted nowhere);
 keep ``allowed_lateness_s`` well above the source's read lag.
 
-Normalization is done here, not with ``NormalizeByDomain``'s side input:
-the persisted statistics change with every commit of the running job, and a
-pane must be normalized with the statistics of every commit before it plus
-its own, exactly as a batch micro-batch is (``prior ⊕ run``); a side input
-would freeze the prior at job start. The functions are the same
-(:func:`pipelines.normalize.stats_of_episodes`, :func:`~pipelines.normalize.normalize_rows`).
+Normalization and GRPO groups are done here, not with side inputs: the
+persisted statistics and the held groups change with every commit of the
+running job, and a pane must be decided and normalized against the state of
+every commit before it plus its own, exactly as a batch micro-batch is; a
+side input would freeze that state at job start. The functions are the batch
+writer's (:func:`pipelines.sinks.stage_files`: :func:`pipelines.groups.decide_commit`,
+:func:`pipelines.sinks.finalize_shard`); the held state is read under the
+commit lock (:func:`pipelines.commit.load_held_state`) and committed with each
+window commit. The clock of a pane's group timeouts is its manifest's
+``clock_s`` (the latest event time committed). The end-of-stream
+pending-state commit decides no groups.
 
 Examples:
     >>> merge_offsets([(0, 5, 9, 4), (0, 2, 5, 3), (1, 7, 8, 1)])
@@ -38,6 +44,7 @@ from typing import Any
 
 import apache_beam as beam
 import msgspec
+import pyarrow.parquet as pq
 from apache_beam.metrics import Metrics
 from apache_beam.transforms import trigger, window
 from apache_beam.utils.windowed_value import PaneInfoTiming
@@ -48,13 +55,15 @@ from pipelines.commit import (
     commit_lock,
     commit_staged,
     committed_episode_ids,
+    held_episode_ids,
+    load_held_state,
     load_prior_norm,
     read_manifests,
     recover,
 )
-from pipelines.normalize import stats_of_episodes
+from pipelines.groups import DEFAULT_GROUP_TIMEOUT_S
 from pipelines.recipes import Recipe
-from pipelines.sinks import stage_files
+from pipelines.sinks import STAGED_SUFFIX, stage_files
 from pipelines.types import METRICS_NAMESPACE, RawRecords
 
 __all__ = ["CommitWindows", "CommitPending", "batch_offsets", "merge_offsets"]
@@ -80,8 +89,10 @@ def merge_offsets(ranges: Iterable[tuple[int, int, int, int]]) -> dict[int, list
 class _CommitPaneFn(beam.DoFn):
     """All elements of one window pane (or the end-of-stream pending state) → one dataset commit."""
 
-    def __init__(self, out: str, recipe: Recipe, *, topic: str, shards: int) -> None:
+    def __init__(self, out: str, recipe: Recipe, *, topic: str, shards: int,
+                 group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> None:
         self._out, self._recipe, self._topic, self._shards = out, recipe, topic, shards
+        self._timeout_s = group_timeout_s
         self._layout = DatasetLayout(out=out, version=recipe.version, recipe_hash=recipe.content_hash)
         self._committed: set[str] = set()
         self._manifests_seen = 0
@@ -90,6 +101,7 @@ class _CommitPaneFn(beam.DoFn):
         self._carried: list[tuple[int, int, int, int]] = []
         self._commits = Metrics.counter(METRICS_NAMESPACE, "stream_commits")
         self._replayed = Metrics.counter(METRICS_NAMESPACE, "episodes_already_committed")
+        self._groups = {k: Metrics.counter(METRICS_NAMESPACE, k) for k in ("groups_released", "groups_timed_out")}
 
     def _refresh(self, manifests: list[DatasetManifest]) -> None:
         # Other writers (other panes, earlier jobs) committed since we last looked.
@@ -108,12 +120,15 @@ class _CommitPaneFn(beam.DoFn):
             recover(layout)
             manifests = read_manifests(layout)
             self._refresh(manifests)
-            fresh = lambda eps: sorted((e for e in eps if e.episode_id not in self._committed),  # noqa: E731
+            is_window = isinstance(win, window.IntervalWindow)
+            held = load_held_state(layout, manifests)
+            done = self._committed | held_episode_ids(held)  # held rows were emitted too
+            fresh = lambda eps: sorted((e for e in eps if e.episode_id not in done),  # noqa: E731
                                        key=lambda e: e.episode_id)
             got = {k: list(parts.get(k, ())) for k in (*_PARTS, "pending")}
             complete, incomplete = fresh(got["episodes"]), fresh(got["incomplete"])
             self._replayed.inc(len(got["episodes"]) + len(got["incomplete"]) - len(complete) - len(incomplete))
-            pending = [f for f in got["pending"] if f[0] not in self._committed]
+            pending = [f for f in got["pending"] if f[0] not in done]
             dead = got["dead_letters"]
             if not (complete or incomplete or pending or dead):
                 self._carried += got["offsets"]  # only open episodes' records, or a replayed pane
@@ -121,31 +136,38 @@ class _CommitPaneFn(beam.DoFn):
             offsets, self._carried = self._carried + got["offsets"], []
             n = len(manifests) + 1
             prior = load_prior_norm(layout)
-            run = stats_of_episodes(complete)
-            stage_files(layout.staging(n), recipe, commit=n, episodes=complete + incomplete, pending=pending,
-                        dead_letters=dead, stats=run, prior=prior.stats, shards=self._shards)
-            steps = sum(len(e.steps) for e in complete)
+            times = [e.last_event_time.timestamp() for e in complete + incomplete]
+            clock_s = max([manifests[-1].clock_s if manifests else 0.0, *times])
+            staged = stage_files(layout.staging(n), recipe, commit=n, episodes=complete + incomplete,
+                                 pending=pending, dead_letters=dead, prior=prior.stats,
+                                 held=held if is_window else None, clock_s=clock_s,
+                                 group_timeout_s=self._timeout_s, shards=self._shards)
+            # Steps written: this pane's released groups plus the held members released with them.
+            steps = sum(pq.ParquetFile(layout.staging(n) / (f + STAGED_SUFFIX)).metadata.num_rows
+                        for f in staged.files if f.startswith("steps/"))
             counts = {
                 "events_in": sum(r[3] for r in offsets), "episodes": len(complete), "steps": steps,
                 "dead_letters": len(dead), "incomplete_episodes": len(incomplete), "pending_episodes": len(pending),
                 "events_used": sum(e.num_events for e in complete),
                 "events_incomplete": sum(e.num_events for e in incomplete),
                 "events_pending_out": sum(len(f[1]) for f in pending),
+                "episodes_excluded": sum(not e.trainable for e in complete),
+                **staged.counts,
             }
-            times = [e.last_event_time.timestamp() for e in complete + incomplete]
-            is_window = isinstance(win, window.IntervalWindow)
+            for k, c in self._groups.items():
+                c.inc(staged.counts.get(k, 0))
             manifest = DatasetManifest(
                 commit=n, version=recipe.version, recipe_hash=recipe.content_hash, source="kafka", mode="stream",
                 recipe=msgspec.to_builtins(recipe), counts=counts,
                 offsets={self._topic: merge_offsets(offsets)} if offsets else {},
                 window=[float(win.start), float(win.end)] if is_window else None,
                 pane=f"{PaneInfoTiming.to_string(pane.timing)}/{pane.index}",
-                clock_s=max([manifests[-1].clock_s if manifests else 0.0, *times]),
+                clock_s=clock_s,
             )
-            commit_staged(layout, manifest, prior_norm=prior)
-            self._committed |= {e.episode_id for e in complete + incomplete}
+            written = commit_staged(layout, manifest, prior_norm=prior)
+            self._committed |= committed_episode_ids(layout, [written])  # held episodes are not in it
             self._manifests_seen = n
-        self._commits.inc()  # steps_written is counted by the shard writer
+        self._commits.inc()  # steps are counted in the manifests (run_stream sums them)
         return n
 
 
@@ -168,18 +190,22 @@ class CommitWindows(beam.PTransform):
         allowed_lateness_s: how long after a window's end late elements still
             get a (late) commit.
         shards: files per (table, domain) per commit.
+        group_timeout_s: event-time seconds a GRPO group waits for missing members.
 
     Returns:
         PCollection of the commit numbers made.
     """
 
     def __init__(self, out: str | Path, recipe: Recipe, *, topic: str, window_s: float = 10.0,
-                 allowed_lateness_s: float = 3600.0, shards: int = 1) -> None:
+                 allowed_lateness_s: float = 3600.0, shards: int = 1,
+                 group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> None:
         super().__init__()
-        if window_s <= 0 or allowed_lateness_s < 0 or shards < 1:
-            raise ValueError("`window_s` must be > 0, `allowed_lateness_s` >= 0 and `shards` >= 1")
+        if window_s <= 0 or allowed_lateness_s < 0 or shards < 1 or group_timeout_s < 0:
+            raise ValueError("`window_s` must be > 0, `allowed_lateness_s` and `group_timeout_s` >= 0 and "
+                             "`shards` >= 1")
         self._out, self._recipe, self._topic = str(out), recipe, topic
         self._window_s, self._lateness_s, self._shards = window_s, allowed_lateness_s, shards
+        self._timeout_s = group_timeout_s
 
     def expand(self, pcolls: dict[str, beam.PCollection]):
         windowed = {}
@@ -198,7 +224,7 @@ class CommitWindows(beam.PTransform):
             windowed
             | "GroupPane" >> beam.CoGroupByKey()
             | "CommitPane" >> beam.ParDo(_CommitPaneFn(self._out, self._recipe, topic=self._topic,
-                                                       shards=self._shards))
+                                                       shards=self._shards, group_timeout_s=self._timeout_s))
         )
 
 

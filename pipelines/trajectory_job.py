@@ -30,10 +30,19 @@ filesystem the workers and the driver share::
     python -m pipelines.trajectory_job --source archive --archive /shared/archive --out /shared/datasets \\
         --runner FlinkRunner --flink_master flink:8081 --environment_type DOCKER
 
+GRPO groups whose members have not all arrived are held (not written) until
+they have, or for ``--group-timeout`` seconds of event time (pipelines/groups.py)::
+
+    python -m pipelines.trajectory_job --source kafka --bootstrap 127.0.0.1:9092 --out data/datasets \
+        --recipe grpo.yaml --group-timeout 600 --loop 60
+
 The last line printed is one JSON object of counts (stream mode adds
 ``commits``), which reconcile as
 ``events_in + events_pending_in == events_used + events_incomplete
-+ events_pending_out + dead_letters + duplicates``.
++ events_pending_out + dead_letters + duplicates`` (held groups are events
+already used, held as rows: ``groups_held``/``episodes_held`` are what is held
+after the run, ``groups_released`` what it wrote, ``episodes_excluded`` the
+complete episodes it found untrainable).
 """
 
 from __future__ import annotations
@@ -60,7 +69,9 @@ from pipelines.commit import (
     commit_staged,
     committed_episode_ids,
     covered_offsets,
+    held_episode_ids,
     latest_pending_file,
+    load_held_state,
     load_prior_norm,
     read_manifests,
     recover,
@@ -74,6 +85,7 @@ from pipelines.frames import (
     KeyFrames,
     shuffle_buckets,
 )
+from pipelines.groups import DEFAULT_GROUP_TIMEOUT_S
 from pipelines.recipes import Recipe, load_recipe
 from pipelines.rewards import ComputeProcessRewards
 from pipelines.sinks import WriteDatasets
@@ -91,13 +103,16 @@ COUNT_KEYS = (
     "events_in", "episodes", "steps", "dead_letters", "duplicates",
     "events_used", "events_incomplete", "events_pending_in", "events_pending_out",
     "incomplete_episodes", "pending_episodes",
+    "groups_released", "groups_held", "groups_timed_out", "episodes_held", "episodes_excluded",
 )
 _METRIC_FOR = {
     "events_in": "events_in", "episodes": "episodes_complete", "steps": "steps_written",
     "dead_letters": "dead_letters", "duplicates": "duplicates", "events_used": "events_used",
     "events_incomplete": "events_incomplete", "events_pending_in": "events_pending_in",
     "events_pending_out": "events_pending_out", "incomplete_episodes": "episodes_incomplete",
-    "pending_episodes": "episodes_pending",
+    "pending_episodes": "episodes_pending", "groups_released": "groups_released", "groups_held": "groups_held",
+    "groups_timed_out": "groups_timed_out", "episodes_held": "episodes_held",
+    "episodes_excluded": "episodes_excluded",
 }
 
 
@@ -119,6 +134,11 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--incomplete-after", type=float, default=3600.0,
                         help="event-time seconds without news after which an unfinished episode is incomplete")
     parser.add_argument("--shards", type=int, default=1, help="files per table and domain per commit")
+    parser.add_argument("--group-timeout", type=float, default=DEFAULT_GROUP_TIMEOUT_S, metavar="SECONDS",
+                        help="event-time seconds a GRPO group whose members have not all arrived is held before it "
+                             "is written with the members it has")
+    parser.add_argument("--no-domain-verifiers", action="store_true",
+                        help="do not re-run rollout.verifiers (keep the rollout-time verdicts and the generic checks)")
     stream = parser.add_argument_group("--mode stream")
     stream.add_argument("--window-s", type=float, default=10.0, help="event-time window per commit, seconds")
     stream.add_argument("--allowed-lateness-s", type=float, default=3600.0,
@@ -153,6 +173,9 @@ def _check(args: argparse.Namespace) -> None:
         raise JobError("`--bootstrap` is required with --source kafka")
     if args.loop < 0 or args.incomplete_after < 0 or args.shards < 1:
         raise JobError("`--loop` and `--incomplete-after` must be >= 0 and `--shards` >= 1")
+    if args.group_timeout < 0:
+        raise JobError(f"`--group-timeout` must be >= 0 seconds (0 writes incomplete groups at once), "
+                       f"got {args.group_timeout}")
 
 
 def _options(args: argparse.Namespace, beam_args: list[str]) -> PipelineOptions:
@@ -197,6 +220,7 @@ def run_batch(
     kafka: dict[str, Any] | None = None,
     incomplete_after_s: float = 3600.0,
     shards: int = 1,
+    group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
     use_domain_verifiers: bool = True,
     crash_at: str | None = None,
 ) -> dict[str, int]:
@@ -213,6 +237,7 @@ def run_batch(
         kafka: ``{"conn": KafkaConnection, "topic": str}`` (``kafka`` source).
         incomplete_after_s: idle event time before an unfinished episode is incomplete.
         shards: files per (table, domain) per commit.
+        group_timeout_s: event-time seconds a GRPO group waits for missing members (pipelines/groups.py).
         use_domain_verifiers: run ``rollout.verifiers`` in VerifySteps.
         crash_at: commit test hook (see :func:`pipelines.commit.commit_staged`).
 
@@ -247,15 +272,18 @@ def run_batch(
         has_input = bool(raw_records)
     else:
         raise JobError(f"unknown source {source!r}")
-    if not has_input:
+    held = load_held_state(layout, manifests)
+    if not has_input:  # held groups wait for input to move the clock
         _LOG.info("no new input for %s (recovered: %s); nothing to commit", recipe.version, fixed)
-        return dict.fromkeys(COUNT_KEYS, 0)
+        return {**dict.fromkeys(COUNT_KEYS, 0), "groups_held": len(held.groups.held),
+                "episodes_held": sum(g.stats.episodes for g in held.groups.held)}
 
     prior = load_prior_norm(layout)
     pending_path = str(layout.root / last.pending_file) if last and last.pending_file else None
     staging = layout.staging(commit)
     staging.mkdir(parents=True, exist_ok=True)
-    _LOG.info("commit %d of %s: %s input, pending=%s", commit, recipe.version, source, pending_path)
+    _LOG.info("commit %d of %s: %s input, pending=%s, %d groups held", commit, recipe.version, source,
+              pending_path, len(held.groups.held))
 
     runner = _make_runner(runner_name)
     p = beam.Pipeline(runner=runner, options=options or PipelineOptions([]))
@@ -263,7 +291,8 @@ def run_batch(
     # episodes (a few elements per batch, not one per episode), decoded once, after it.
     # Archive files hold most episodes whole: those are assembled where the file is read, no shuffle.
     local = None
-    committed = committed_episode_ids(layout, manifests)
+    # Held episodes were emitted too (as held rows): their events, seen again, are duplicates.
+    committed = committed_episode_ids(layout, manifests) | held_episode_ids(held)
     if source == "archive":
         pending_ids = _pending_ids(pending_path)
         split = split_episode_ids(files, also=pending_ids)
@@ -300,13 +329,14 @@ def run_batch(
         b | f"Process{'Local' if i else ''}" >> ProcessEpisodes(recipe, use_domain_verifiers=use_domain_verifiers)
         for i, b in enumerate(branches)
     )
-    # Domain normalization: the writer computes the run's statistics from its staged rows and
-    # normalizes every shard with prior ⊕ run.
+    # Groups and normalization: the writer computes the run's group statistics from its staged rows,
+    # holds groups not whole yet, and normalizes every shard with prior ⊕ the released groups'.
     dead = (read[DEAD_LETTER_TAG], assembled[DEAD_LETTER_TAG]) | "AllDeadLetters" >> beam.Flatten()
     _ = {
         "episodes": episodes, "incomplete": assembled[INCOMPLETE_TAG],
-        "pending": assembled[PENDING_TAG], "dead_letters": dead,
-    } | "WriteDatasets" >> WriteDatasets(staging, recipe, commit=commit, shards=shards, prior=prior.stats)
+        "pending": assembled[PENDING_TAG], "dead_letters": dead, "clock": assembled[CLOCK_TAG],
+    } | "WriteDatasets" >> WriteDatasets(staging, recipe, commit=commit, shards=shards, prior=prior.stats,
+                                         held=held, group_timeout_s=group_timeout_s)
     result = p.run()
     result.wait_until_finish()
     counts, clock_ms = _counts(result)
@@ -329,8 +359,9 @@ class ProcessEpisodes(beam.PTransform):
             episodes
             | "VerifySteps" >> VerifySteps(use_domain_verifiers=self._use_domain)
             | "ComputeProcessRewards" >> ComputeProcessRewards(recipe)
-            | "ClipTrajectories" >> ClipTrajectories(max_steps=recipe.max_steps,
-                                                     max_action_tokens=recipe.max_action_tokens, gamma=recipe.gamma)
+            | "ClipTrajectories" >> ClipTrajectories(
+                max_steps=recipe.max_steps, max_action_tokens=recipe.max_action_tokens, gamma=recipe.gamma,
+                lam=recipe.lam, reward_min=recipe.reward_min, reward_max=recipe.reward_max)
         )
 
 
@@ -393,6 +424,7 @@ def run_stream(
     stop_after_s: float | None = None,
     stop_offsets: dict[int, int] | None = None,
     shards: int = 1,
+    group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
     use_domain_verifiers: bool = True,
 ) -> dict[str, int]:
     """The streaming job: follow the topic, commit one dataset commit per event-time window pane.
@@ -419,11 +451,12 @@ def run_stream(
         stop_after_s: stop reading after this much wall time (None: run until cancelled).
         stop_offsets: stop each partition at this offset (tests); partitions not named stop at once.
         shards: files per (table, domain) per commit.
+        group_timeout_s: event-time seconds a GRPO group waits for missing members.
         use_domain_verifiers: run ``rollout.verifiers`` in VerifySteps.
 
     Returns:
-        The job's counts (keys :data:`COUNT_KEYS`: from the pipeline's metrics, ``steps`` from this run's manifests)
-        plus ``commits``.
+        The job's counts (keys :data:`COUNT_KEYS`: from the pipeline's metrics; ``steps``, ``groups_held``
+        and ``episodes_held`` from this run's manifests) plus ``commits``.
     """
     from pipelines.assemble import AssembleEpisodesStreaming
     from pipelines.sources_kafka import ReadKafkaStream
@@ -434,7 +467,7 @@ def run_stream(
     manifests = read_manifests(layout)
     topic = kafka["topic"]
     start = covered_offsets(manifests, topic)
-    committed = committed_episode_ids(layout, manifests)
+    committed = committed_episode_ids(layout, manifests) | held_episode_ids(load_held_state(layout, manifests))
     pending = _load_pending(latest_pending_file(layout, manifests), committed)
     started = time.time()
     # A timer due after the stop (minus the idle lag) can only fire because the stream ended.
@@ -463,7 +496,8 @@ def run_stream(
         "episodes": episodes, "incomplete": assembled[INCOMPLETE_TAG], "dead_letters": dead,
         "offsets": batches | "BatchOffsets" >> beam.Map(batch_offsets),
     } | "CommitWindows" >> CommitWindows(out, recipe, topic=topic, window_s=window_s,
-                                         allowed_lateness_s=allowed_lateness_s, shards=shards)
+                                         allowed_lateness_s=allowed_lateness_s, shards=shards,
+                                         group_timeout_s=group_timeout_s)
     _ = assembled[PENDING_TAG] | "CommitPending" >> CommitPending(out, recipe, topic=topic)
     result = p.run()
     result.wait_until_finish()
@@ -472,6 +506,10 @@ def run_stream(
     # Steps are counted where they are written, in this run's manifests: a metric bumped by the writer
     # of the last pane is not always reported before Prism ends the job.
     counts["steps"] = sum(m.counts.get("steps", 0) for m in ours)
+    # What is held after the run is what the last commit that decided groups held (a sum over panes is not).
+    deciding = [m for m in ours if m.groups_file is not None]
+    for key in ("groups_held", "episodes_held"):
+        counts[key] = deciding[-1].counts.get(key, 0) if deciding else 0
     counts["commits"] = len(ours)
     return counts
 
@@ -521,16 +559,19 @@ def run(argv: Sequence[str] | None = None, *, conn: KafkaConnection | None = Non
             out=args.out, recipe=recipe, kafka=kafka, options=options,
             window_s=args.window_s, allowed_lateness_s=args.allowed_lateness_s,
             incomplete_after_s=args.incomplete_after, idle_watermark_lag_s=args.idle_watermark_lag_s,
-            stop_after_s=args.stop_after_s, shards=args.shards,
+            stop_after_s=args.stop_after_s, shards=args.shards, group_timeout_s=args.group_timeout,
+            use_domain_verifiers=not args.no_domain_verifiers,
         )
     total = dict.fromkeys(COUNT_KEYS, 0)
     while True:
         counts = run_batch(
             out=args.out, recipe=recipe, source=args.source, options=_options(args, beam_args),
             runner_name=args.runner or "FnApiRunner", archive=args.archive, kafka=kafka,
-            incomplete_after_s=args.incomplete_after, shards=args.shards,
+            incomplete_after_s=args.incomplete_after, shards=args.shards, group_timeout_s=args.group_timeout,
+            use_domain_verifiers=not args.no_domain_verifiers,
         )
-        total = {k: total[k] + counts[k] for k in COUNT_KEYS}
+        # Held counts are a state, not a flow: the loop's total is the last micro-batch's.
+        total = {k: counts[k] if k in ("groups_held", "episodes_held") else total[k] + counts[k] for k in COUNT_KEYS}
         _LOG.info("micro-batch done: %s", json.dumps(counts))
         if not args.loop:
             return total

@@ -9,11 +9,11 @@ import pytest
 
 from pipelines.commit import CommitError
 from pipelines.polars_ref import compute_polars
-from pipelines.recipes import load_recipe
+from pipelines.recipes import Recipe, load_recipe
 from pipelines.trajectory_job import JobError, run, run_batch
 from pipelines.types import RawRecords
 from schemas.codec import encode_event
-from tests.pipelines.helpers import episodes, flat, write_archive
+from tests.pipelines.helpers import episodes, finished_as, flat, write_archive
 
 N = 100
 
@@ -152,35 +152,54 @@ def test_bad_raw_records_go_to_dead_letters(tmp_path):
     assert [r[0] for r in reasons] == ["bad_magic", "truncated", "future_version"]
 
 
-def test_polars_reference_agrees(archive, first_run, tmp_path):
-    root, _ = archive
-    out, _ = first_run
+def _varied_archive(root: Path) -> tuple[Path, list]:
+    """Synthetic groups of 4 with unjudged members (timeout, error), a max_steps one, a group missing a member
+    (held) and one whose member never finishes (held, and pending)."""
+    eps = episodes(40, seed=23)
+    eps[5] = finished_as(eps[5], "timeout")
+    eps[6] = finished_as(eps[6], "error")
+    eps[9] = finished_as(eps[9], "max_steps")
+    eps[21] = eps[21][:-1]  # never finishes
+    del eps[15]  # member 3 of group 3 never comes
+    return write_archive(root, [flat(eps[:20]), flat(eps[20:])]), eps
+
+
+@pytest.mark.parametrize("recipe", [
+    load_recipe("outcome"), load_recipe("verification_shaped"),
+    Recipe(name="drgrpo", reward="verification_shaped", gamma=0.9, lam=0.9, verification_weight=0.5,
+           step_penalty=0.01, normalization="group_mean"),
+    Recipe(name="additive", reward="verification_shaped", shaping="additive", verification_weight=0.25,
+           step_penalty=0.25, normalization="group", verifier_weights={"math.step_check": 2.0}),
+], ids=lambda r: r.name)
+def test_polars_reference_agrees(recipe, tmp_path):
+    root, eps = _varied_archive(tmp_path / "archive")
+    out = tmp_path / "out"
+    c = run_batch(out=out, recipe=recipe, source="archive", archive=root, use_domain_verifiers=False)
+    assert (c["groups_held"], c["episodes_held"], c["episodes_excluded"], c["pending_episodes"]) == (2, 6, 2, 1)
     from pipelines.archive_source import list_archive_files
 
     files = [f.path for f in list_archive_files(root)]
-    for name in ("outcome", "verification_shaped"):
-        recipe = load_recipe(name)
-        if name != "outcome":
-            out = tmp_path / name
-            run_batch(out=out, recipe=recipe, source="archive", archive=root, use_domain_verifiers=False)
-        beam_df = pl.read_parquet(f"{out}/steps/recipe={recipe.version}/**/*.parquet", hive_partitioning=True)
-        cols = ["episode_id", "step_index", "reward", "return_to_go", "advantage", "normalized_advantage",
-                "group_advantage"]
-        ours = beam_df.select(cols).sort("episode_id", "step_index")
-        ref_steps, ref_trajs = compute_polars(files, recipe)
-        ref = ref_steps.select(cols).sort("episode_id", "step_index")
-        assert ours.height == ref.height
-        for col in cols[2:]:
-            assert (ours[col] - ref[col]).abs().max() < 1e-9, (name, col)
-        traj_cols = ["episode_id", "num_steps", "action_tokens", "num_events", "outcome_reward", "episode_return",
-                     "normalized_return", "group_advantage"]
-        beam_trajs = pl.read_parquet(f"{out}/trajectories/recipe={recipe.version}/**/*-s*.parquet",
-                                     hive_partitioning=True).select(traj_cols).sort("episode_id")
-        ref_trajs = ref_trajs.select(traj_cols).sort("episode_id")
-        assert beam_trajs.height == ref_trajs.height == N
-        assert beam_trajs.select(traj_cols[:4]).equals(ref_trajs.select(traj_cols[:4]))
-        for col in traj_cols[4:]:
-            assert (beam_trajs[col] - ref_trajs[col]).abs().max() < 1e-9, (name, col)
+    ref_steps, ref_trajs = compute_polars(files, recipe)
+    cols = ["episode_id", "step_index", "trainable", "group_size", "reward", "return_to_go", "advantage",
+            "normalized_advantage", "group_advantage"]
+    ours = pl.read_parquet(f"{out}/steps/recipe={recipe.version}/**/*.parquet", hive_partitioning=True)
+    ours, ref = ours.select(cols).sort("episode_id", "step_index"), ref_steps.select(cols).sort("episode_id",
+                                                                                              "step_index")
+    assert ours.height == ref.height == c["steps"]
+    assert ours.select(cols[:4]).equals(ref.select(cols[:4]))
+    for col in cols[4:]:
+        assert (ours[col] - ref[col]).abs().max() < 1e-9, (recipe.name, col)
+    traj_cols = ["episode_id", "num_steps", "action_tokens", "num_events", "termination", "trainable",
+                 "excluded_reason", "group_size", "group_member", "group_members", "group_timed_out", "steps_passed",
+                 "outcome_reward", "episode_return", "normalized_return", "group_advantage"]
+    beam_trajs = pl.read_parquet(f"{out}/trajectories/recipe={recipe.version}/**/*-s*.parquet",
+                                 hive_partitioning=True).select(traj_cols).sort("episode_id")
+    ref_trajs = ref_trajs.select(traj_cols).sort("episode_id")
+    assert beam_trajs.height == ref_trajs.height == len(eps) - 6 - 1  # held: 6 (two groups of 3), pending: 1
+    assert beam_trajs.select(traj_cols[:12]).equals(ref_trajs.select(traj_cols[:12]).cast(beam_trajs.select(
+        traj_cols[:12]).schema))
+    for col in traj_cols[12:]:
+        assert (beam_trajs[col] - ref_trajs[col]).abs().max() < 1e-9, (recipe.name, col)
 
 
 def test_option_errors_name_the_option(tmp_path):
