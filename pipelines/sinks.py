@@ -405,7 +405,7 @@ def _sorted(table: pa.Table, keys: list[tuple[str, str]]) -> pa.Table:
     return table.take(idx)
 
 
-def held_part(domain: str, shard: int) -> str:
+def _held_part(domain: str, shard: int) -> str:
     """Staged base path (relative to the staging directory) of a (domain, shard)'s held rows."""
     return f"state/{HELD_DIR}/domain={domain}/s{shard:03d}"
 
@@ -438,7 +438,7 @@ def finalize_shard(staging: str | Path, version: str, commit: int, domain: str, 
             step_held = pc.is_in(steps["episode_id"], value_set=held_trajs["episode_id"])
             held_steps = steps.filter(step_held)
             trajs, steps = trajs.filter(pc.invert(is_held)), steps.filter(pc.invert(step_held))
-            base = held_part(domain, shard)
+            base = _held_part(domain, shard)
             for table, data in (("trajectories", _sorted(held_trajs, [("episode_id", "ascending")])),
                                 ("steps", _sorted(held_steps, [("episode_id", "ascending"),
                                                                ("step_index", "ascending")]))):

@@ -188,17 +188,17 @@ class _VerifyFn(beam.DoFn):
                     ours.append(Verification(verifier=f"{episode.domain}.verifier_error", passed=False, score=0.0,
                                              details=str(err)[:200], source="pipeline", counted=False))
                 else:
-                    rollout: dict[str, Verification] = {}
-                    for v in recorded:
-                        rollout.setdefault(v.verifier, v)
+                    rollout = {v.verifier: v for v in reversed(recorded)}  # the first verdict of each name
                     for v in rerun:
-                        got = reconcile_verdict(Verification(verifier=v.verifier, passed=v.passed, score=v.score,
-                                                             details=v.details, source="pipeline"), rollout)
-                        if not got.counted:
-                            if _agrees(got, rollout[v.verifier]):
-                                agreements += 1
-                            else:
-                                disagreements += 1
+                        got = Verification(verifier=v.verifier, passed=v.passed, score=v.score, details=v.details,
+                                           source="pipeline")
+                        if v.verifier in rollout or v.verifier.startswith(DATA_QUALITY_PREFIX):
+                            got = reconcile_verdict(got, rollout)
+                            if v.verifier in rollout:
+                                if _agrees(got, rollout[v.verifier]):
+                                    agreements += 1
+                                else:
+                                    disagreements += 1
                         ours.append(got)
             verdicts.append([*recorded, *ours])
         self._checked.inc(len(episode.steps))

@@ -80,6 +80,21 @@ def test_a_rerun_of_a_rollout_verifier_records_agreement_instead_of_a_second_vot
     assert traj.steps_passed == 2 and [s.verification_score for s in steps] == [1.0, 1.0]
 
 
+def test_disagreements_are_counted_in_the_pipeline_metrics():
+    from apache_beam.metrics.metric import MetricsFilter
+
+    rollout = [Verification(verifier="format.valid", passed=True, score=1.0),
+               Verification(verifier="math.intermediate_correct", passed=True, score=1.0)]
+    p = make_pipeline()
+    _ = p | beam.Create([make_episode("a", outcome=1.0, n_steps=3, verdicts=rollout)]) | VerifySteps()
+    result = p.run()
+    result.wait_until_finish()
+    got = {c.key.metric.name: c.committed for c in result.metrics().query(
+        MetricsFilter().with_namespace("pipeline"))["counters"]}
+    # per step: format.valid agrees, math.intermediate_correct disagrees; 3 steps
+    assert (got["verifier_disagreements"], got["verifier_agreements"]) == (3, 3)
+
+
 def test_a_pipeline_verdict_of_a_verifier_the_rollout_did_not_record_counts():
     ep = _verified(make_episode("a", outcome=1.0, n_steps=1))  # the rollout recorded math.check only
     vs = ep.verdicts[0]
