@@ -47,16 +47,19 @@ class DataConfig(_Strict):
     recipe: str | None = Field(None, description="dataset version <name>-<hash8>; default: the only one")
     mode: Literal["offline", "tail"] = Field("offline", description="offline epochs, or tail new commits")
     domains: list[str] | None = Field(None, description="keep only these domains")
-    min_policy_version: int | None = Field(None, description="keep steps of policy version >= this")
-    max_policy_version: int | None = Field(None, description="keep steps of policy version <= this")
-    min_advantage: float | None = Field(None, description="keep steps with normalized_advantage >= this")
-    max_advantage: float | None = Field(None, description="keep steps with normalized_advantage <= this")
-    statuses: list[str] | None = Field(None, description="keep steps of episodes with these statuses")
+    min_policy_version: int | None = Field(None, description="train steps of policy version >= this (context is kept)")
+    max_policy_version: int | None = Field(None, description="train steps of policy version <= this")
+    min_advantage: float | None = Field(None, description="train steps with normalized_advantage >= this")
+    max_advantage: float | None = Field(None, description="train steps with normalized_advantage <= this")
+    statuses: list[str] | None = Field(None, description="train steps of episodes with these statuses")
+    include_untrainable: bool = Field(False, description="also train steps of untrainable episodes (cut off by a "
+                                      "timeout, error or shutdown: no verdict)")
     advantage_field: Literal["normalized_advantage", "group_advantage", "advantage"] | None = Field(
         None, description="advantage column; default group_advantage for grpo, else normalized_advantage")
-    seq_len: int = Field(512, ge=2, description="tokens per packed sequence")
+    seq_len: int = Field(512, ge=2, description="tokens per packed sequence and longest episode window; "
+                         ">= the policy's max_model_len makes every window exact")
     batch_size: int = Field(4, ge=1, description="packed sequences per micro-batch (per rank)")
-    shuffle: bool = Field(True, description="shuffle row-group order and rows inside row groups")
+    shuffle: bool = Field(True, description="shuffle row-group order and episodes inside row groups")
     max_epochs: int | None = Field(None, ge=1, description="offline: stop after this many epochs (None: repeat)")
     num_workers: int = Field(1, ge=0, description="DataLoader worker processes per rank")
     prefetch_factor: int = Field(4, ge=1, description="batches each worker prepares ahead")
@@ -68,20 +71,25 @@ class ObjectiveConfig(_Strict):
     """Which loss and its hyper-parameters (see :mod:`trainer.losses`)."""
 
     name: Literal["bc", "awr", "ppo", "grpo"] = Field("grpo", description="objective")
-    aggregation: Literal["token", "sequence"] | None = Field(None, description="default: grpo sequence, else token")
+    aggregation: Literal["token", "sequence", "dr_grpo"] | None = Field(
+        None, description="token (DAPO token mean), sequence (GRPO per-response mean) or dr_grpo (per-response "
+        "token sum / norm_tokens), all global over the optimizer step; default: grpo sequence, else token")
+    norm_tokens: int | None = Field(None, ge=1, description="dr_grpo: the constant each response's token sum is "
+                                    "divided by (default data.seq_len)")
     clip_eps: float = Field(0.2, gt=0, description="ppo/grpo: clip range below 1")
     clip_eps_high: float | None = Field(None, description="ppo/grpo: clip range above 1 (default clip_eps)")
     kl_coef: float | None = Field(None, ge=0, description="ppo/grpo: k3 KL-to-base coefficient (grpo default 0.04)")
-    max_staleness: int | None = Field(None, ge=0, description="ppo/grpo: versions behind before capping")
+    max_staleness: int | None = Field(None, ge=0, description="versions behind (same lineage) before capping, "
+                                      "any objective, offline too; None: no cap")
     staleness_mode: Literal["drop", "decay"] = Field("drop", description="drop stale tokens or decay their weight")
     staleness_decay: float = Field(0.5, gt=0, le=1, description="decay: weight factor per version over the cap")
     min_advantage: float = Field(0.0, description="bc: keep steps with advantage above this")
     beta: float = Field(1.0, gt=0, description="awr: temperature")
     max_weight: float = Field(20.0, gt=0, description="awr: weight clip")
 
-    def options(self) -> dict[str, Any]:
-        """Keyword options for :func:`trainer.losses.build_objective`."""
-        opts: dict[str, Any] = {}
+    def options(self, *, seq_len: int) -> dict[str, Any]:
+        """Keyword options for :func:`trainer.losses.build_objective` (``seq_len``: dr_grpo's default constant)."""
+        opts: dict[str, Any] = {"norm_tokens": self.norm_tokens or seq_len}
         if self.aggregation is not None:
             opts["aggregation"] = self.aggregation
         if self.name == "bc":
@@ -89,8 +97,7 @@ class ObjectiveConfig(_Strict):
         elif self.name == "awr":
             opts.update(beta=self.beta, max_weight=self.max_weight)
         else:
-            opts.update(clip_eps=self.clip_eps, clip_eps_high=self.clip_eps_high, max_staleness=self.max_staleness,
-                        staleness_mode=self.staleness_mode, staleness_decay=self.staleness_decay)
+            opts.update(clip_eps=self.clip_eps, clip_eps_high=self.clip_eps_high)
             if self.kl_coef is not None:
                 opts["kl_coef"] = self.kl_coef
         return opts
@@ -138,6 +145,8 @@ class PublishConfig(_Strict):
     bootstrap: str | None = Field(None, description="Kafka bootstrap; when set, emit policy_published")
     domain: str = Field("*", description="domain group the policy is for (event envelope)")
     initial_version: int = Field(0, ge=0, description="version of the model we start from (0 = base)")
+    lineage: str | None = Field(None, description="lineage id of the versions this run publishes; default: a new "
+                                "random id at the first start, kept in the checkpoint (so --resume continues it)")
     at_end: bool = Field(True, description="also publish after the last step")
 
 

@@ -8,6 +8,13 @@ variables when they are missing.
 The reference model for a KL penalty is the frozen base: with LoRA it is the
 same module with the adapter switched off (no second copy); otherwise a second
 copy loaded from the base directory, never partitioned or optimized.
+
+Log-probs, of the policy and of the reference alike, are on each token's
+sampling distribution (temperature, top-k, top-p of the step that produced
+it; :func:`trainer.losses.token_logprobs`), the distribution the behaviour
+log-probs were recorded on; the module docstring of :mod:`trainer.losses`
+says why the reference uses the same one. They are computed only on the
+batch's loss tokens (``PackedBatch.loss_mask``); elsewhere they are 0.
 """
 
 from __future__ import annotations
@@ -187,15 +194,16 @@ class TrainEngine:
 
         # no attention_mask: transformers derives the block-causal mask of the packed segments from position_ids
         logits = module(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
-        return token_logprobs(logits, batch.input_ids)
+        return token_logprobs(logits, batch.input_ids, temperature=batch.temperature, top_k=batch.top_k,
+                              top_p=batch.top_p, mask=batch.loss_mask)
 
     def logprobs(self, batch) -> torch.Tensor:
-        """Per-token log-probs of the policy, ``[B, L]`` float32, with grad."""
+        """Per-token log-probs of the policy on the sampling distribution, ``[B, L]`` float32, with grad."""
         return self._forward(self.engine, batch)
 
     @torch.no_grad()
     def reference_logprobs(self, batch) -> torch.Tensor | None:
-        """Per-token log-probs of the frozen base model (None when no reference is needed)."""
+        """Per-token log-probs of the frozen base model on the same distribution (None when no reference is needed)."""
         if not self.needs_reference:
             return None
         if self.reference is not None:

@@ -6,7 +6,7 @@ Store layout::
         config.json, model.safetensors (merged weights) | adapter_config.json + adapter_model.safetensors
         tokenizer.json, tokenizer_config.json, ...   (copied from the base model)
         policy.json                {"version", "parent_version", "base_model", "train_step", "format",
-                                    "dataset_position", "created_at"}
+                                    "lineage", "dataset_position", "created_at"}
 
 A version directory appears atomically: it is written as ``.v<version>.tmp``
 and renamed into place, so a worker never loads a half-written policy. The
@@ -49,6 +49,10 @@ class PolicyRecord(msgspec.Struct, kw_only=True):
         location: absolute path of the version directory.
         format: ``merged`` (full HF weights) or ``adapter`` (a peft LoRA adapter on ``base_model``).
         adapter: LoRA adapter name (domain group), if any.
+        lineage: id of the chain of versions this one belongs to (the training
+            run and its resumptions); rollouts stamp it on their episodes so the
+            trainer measures staleness within one lineage ("" in records
+            written before lineages existed).
         dataset_position: the trainer's dataset position (one entry per rank).
         created_at: UTC time of publication.
     """
@@ -60,6 +64,7 @@ class PolicyRecord(msgspec.Struct, kw_only=True):
     location: str
     format: str = "merged"
     adapter: str | None = None
+    lineage: str = ""
     dataset_position: list[dict[str, Any]] = []
     created_at: datetime = msgspec.field(default_factory=lambda: datetime.now(timezone.utc))
 
@@ -84,6 +89,7 @@ def write_policy(
     train_step: int,
     save_weights: Callable[[Path], str],
     adapter: str | None = None,
+    lineage: str = "",
     dataset_position: list[dict[str, Any]] | None = None,
 ) -> PolicyRecord:
     """Write policy ``version`` into the store atomically (rank 0 only).
@@ -97,6 +103,7 @@ def write_policy(
         save_weights: writes the weights into the given directory and returns
             the format written (``merged`` or ``adapter``).
         adapter: LoRA adapter name, if any.
+        lineage: the trainer's lineage id.
         dataset_position: trainer dataset position to record.
 
     Raises:
@@ -118,7 +125,7 @@ def write_policy(
             shutil.copy2(src, tmp / name)
     record = PolicyRecord(
         version=version, parent_version=parent_version, base_model=str(Path(base_model).resolve()),
-        train_step=train_step, location=str(final.resolve()), format=fmt, adapter=adapter,
+        train_step=train_step, location=str(final.resolve()), format=fmt, adapter=adapter, lineage=lineage,
         dataset_position=dataset_position or [],
     )
     (tmp / "policy.json").write_bytes(msgspec.json.format(msgspec.json.encode(record), indent=1) + b"\n")
@@ -173,10 +180,11 @@ def emit_policy_published(send: Callable[[PolicyPublished], None], record: Polic
 
     Examples:
         >>> sent = []
-        >>> rec = PolicyRecord(version=3, parent_version=2, base_model="/m", train_step=30, location="/s/v3")
+        >>> rec = PolicyRecord(version=3, parent_version=2, base_model="/m", train_step=30, location="/s/v3",
+        ...                    lineage="run-a")
         >>> ev = emit_policy_published(sent.append, rec, producer_id="trainer-0")
-        >>> (ev.episode_id, ev.seq, ev.version, ev.policy_version, len(sent))
-        ('policy-3', 0, 3, 3, 1)
+        >>> (ev.episode_id, ev.seq, ev.version, ev.policy_version, ev.lineage, len(sent))
+        ('policy-3', 0, 3, 3, 'run-a', 1)
     """
     episode_id = f"policy-{record.version}"
     event = PolicyPublished(
@@ -184,6 +192,7 @@ def emit_policy_published(send: Callable[[PolicyPublished], None], record: Polic
         producer_id=producer_id or f"trainer@{socket.gethostname()}", domain=domain, task_id="",
         policy_version=record.version, version=record.version, location=record.location,
         parent_version=record.parent_version, base_model=record.base_model, train_step=record.train_step,
+        lineage=record.lineage,
     )
     send(event)
     return event

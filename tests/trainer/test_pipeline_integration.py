@@ -1,4 +1,4 @@
-"""The trainer reads what the real trajectory job writes (its manifests and layout)."""
+"""The trainer reads what the real trajectory job writes (its manifests, layout and row groups)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from trainer.data import TrajectoryLoader, TrajectoryStream
 pytestmark = pytest.mark.integration
 
 
-def test_stream_reads_every_step_of_a_trajectory_job_commit(tmp_path):
+def test_stream_reads_every_trainable_episode_of_a_trajectory_job_commit(tmp_path):
     from pipelines.recipes import load_recipe
     from pipelines.trajectory_job import run_batch
     from pipelines.types import RawRecords
@@ -25,7 +25,11 @@ def test_stream_reads_every_step_of_a_trajectory_job_commit(tmp_path):
                            timestamps_ms=[0] * len(events))
         counts = run_batch(out=out, recipe=load_recipe("outcome"), source="raw", raw_records=[batch])
         assert counts["steps"] > 0
-    want = {r[0] for r in duckdb.sql(
-        f"select event_id from read_parquet('{out}/steps/**/*.parquet', hive_partitioning=true)").fetchall()}
-    got = [i for b in TrajectoryLoader(TrajectoryStream(out, seq_len=4096, batch_size=2)) for i in b.sample_ids]
-    assert len(got) == len(want) and set(got) == want
+    # episodes the trainer must train: a trainable step with a loss token, and a recorded prompt at step 0
+    want = {r[0] for r in duckdb.sql(f"""
+        select episode_id from read_parquet('{out}/steps/**/*.parquet', hive_partitioning=true)
+        group by episode_id
+        having bool_or(trainable and list_bool_or(loss_mask))
+           and max(case when step_index = 0 then len(observation_token_ids) end) > 0""").fetchall()}
+    got = [e for b in TrajectoryLoader(TrajectoryStream(out, seq_len=4096, batch_size=2)) for e in b.episode_ids]
+    assert want and len(got) == len(want) and set(got) == want

@@ -12,6 +12,29 @@ Offline mode trains epochs over the commits visible at start; online mode
 tails new commits, caps staleness against the current policy version and
 publishes a new version every ``publish.every`` steps, emitting
 ``policy_published`` on the control topic so rollout workers switch to it.
+
+One optimizer step (:meth:`RLRecipe.train_step`):
+
+1. prefetch its ``grad_accum`` micro-batches;
+2. choose each micro-batch's loss tokens: the batch's ``loss_mask``, minus
+   tokens over the staleness cap (:func:`trainer.losses.policy_lag` within the
+   run's lineage; any objective, offline too, when ``max_staleness`` is set),
+   through the objective's own selection (filtered BC's advantage filter);
+3. compute the aggregation weights globally over the step: token and response
+   counts are summed over micro-batches and all-reduced over ranks
+   (:func:`trainer.losses.step_loss_weights`), scaled by ``grad_accum *
+   world_size`` so that DeepSpeed's averaging yields exactly the global formula;
+4. if no rank has a loss token left, take no step at all (no forward, backward
+   or optimizer step on any rank) and count it in ``train/skipped_steps``;
+   ``max_steps`` counts steps taken. In offline mode a run whose every shard
+   went through a whole epoch without a loss token stops (nothing can change:
+   only a step publishes a new version);
+5. else forward, loss, backward and ``engine.step()`` per micro-batch.
+
+**Lineage.** The run has a lineage id (``publish.lineage``; by default a random
+id chosen at the first start and kept in the checkpoint, so ``--resume``
+continues the same lineage). Published policies carry it (``policy.json``,
+``policy_published.lineage``); staleness compares versions only within it.
 """
 
 from __future__ import annotations
@@ -21,6 +44,7 @@ import logging
 import random
 import shutil
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,7 +59,7 @@ from trainer.data import DataError, PackedBatch, StepFilter, TrajectoryLoader, T
 from trainer.engine import (
     TrainEngine, build_deepspeed_config, init_distributed, load_model, read_deepspeed_override, resolve_device,
 )
-from trainer.losses import build_objective
+from trainer.losses import build_objective, policy_lag, staleness_weights, step_loss_weights, step_response_index
 from trainer.metrics import MetricLogger
 from trainer.publish import emit_policy_published, next_policy_version, save_merged_weights, write_policy
 
@@ -65,6 +89,9 @@ class RLRecipe:
         self.store = Path(cfg.publish.store) if cfg.publish.store else self.out / "policies"
         self.step = 0
         self.tokens = 0
+        self.skipped_steps = 0
+        self.lineage = ""
+        self._skip_epochs: dict[int, int] | None = None
         self.policy_version = cfg.publish.initial_version
         self.parent_version = cfg.publish.initial_version
         self._batches: Iterator[PackedBatch] | None = None
@@ -84,7 +111,7 @@ class RLRecipe:
         if bf16 and self.device.type != "cuda":
             raise ValueError("`engine.precision` bf16 needs a GPU; use fp32 (or auto) on CPU")
 
-        self.objective = build_objective(cfg.objective.name, **cfg.objective.options())
+        self.objective = build_objective(cfg.objective.name, **cfg.objective.options(seq_len=cfg.data.seq_len))
         lora = cfg.lora
         model = load_model(
             cfg.model,
@@ -111,13 +138,15 @@ class RLRecipe:
             filters=StepFilter(
                 domains=tuple(d.domains) if d.domains else None, min_policy_version=d.min_policy_version,
                 max_policy_version=d.max_policy_version, min_advantage=d.min_advantage,
-                max_advantage=d.max_advantage, statuses=tuple(d.statuses) if d.statuses else None),
+                max_advantage=d.max_advantage, statuses=tuple(d.statuses) if d.statuses else None,
+                include_untrainable=d.include_untrainable),
             advantage_field=d.advantage_field, mode=d.mode, seed=cfg.seed, shuffle=d.shuffle,
             max_epochs=d.max_epochs, poll_interval_s=d.poll_interval_s, idle_timeout_s=d.idle_timeout_s,
             num_workers=d.num_workers, rank=self.rank, world_size=self.world_size, pad_id=self.pad_id,
         )
         self.loader = TrajectoryLoader(self.stream, pin_memory=self.device.type == "cuda",
                                        prefetch_factor=d.prefetch_factor)
+        self.lineage = self._gather(cfg.publish.lineage or uuid.uuid4().hex[:16])[0]  # rank 0's
         if cfg.resume:
             self._resume()
 
@@ -140,7 +169,14 @@ class RLRecipe:
             raise ValueError(f"checkpoint was written by {len(state['data'])} ranks, this run has "
                              f"{self.world_size}; resume with the same world size")
         self.step, self.tokens = state["step"], state["tokens"]
+        self.skipped_steps = state.get("skipped_steps", 0)
         self.policy_version, self.parent_version = state["policy_version"], state["parent_version"]
+        saved = state.get("lineage")
+        if saved and self.cfg.publish.lineage is None:
+            self.lineage = saved
+        elif saved and saved != self.lineage:
+            log.warning("`publish.lineage` %r replaces the checkpoint's lineage %r: samples of %r now count as "
+                        "another lineage (infinitely stale)", self.lineage, saved, saved)
         self.loader.load_state_dict(state["data"][self.rank])
         _set_rng_state(state["rng"][self.rank])
 
@@ -151,11 +187,20 @@ class RLRecipe:
             self._batches = iter(self.loader)
         batch = next(self._batches, None)
         if self.world_size > 1:  # stop together: a rank out of data must not leave others in a collective
-            flag = torch.tensor([0 if batch is None else 1], dtype=torch.int32)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+            flag = self._all_reduce(torch.tensor([0 if batch is None else 1], dtype=torch.int32),
+                                    op=torch.distributed.ReduceOp.MIN)
             if int(flag) == 0:
                 return None
         return batch
+
+    def _all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        """``t`` reduced over ranks (sum by default), on the device the backend needs (NCCL: this rank's GPU)."""
+        if self.world_size == 1:
+            return t
+        dev = self.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+        x = t.to(dev)
+        torch.distributed.all_reduce(x, op=op or torch.distributed.ReduceOp.SUM)
+        return x.to(t.device)
 
     def _check_token_ids(self, batch) -> None:
         # Token ids from another tokenizer would crash deep inside the embedding; say so instead.
@@ -168,13 +213,38 @@ class RLRecipe:
                 "or train the model they were generated with"
             )
 
+    def _loss_tokens(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+        """A micro-batch's loss tokens after the staleness cap and the objective's selection.
+
+        Returns:
+            The ``[B, L]`` loss mask, the per-token staleness weights (``decay``
+            mode; None otherwise) and counts for the metrics.
+        """
+        o = self.cfg.objective
+        same = torch.tensor([lineage == self.lineage for lineage in batch.lineages] + [False])
+        lag = policy_lag(batch.policy_versions, same[batch.lineage_ids], self.policy_version)  # id -1 -> False
+        mask, token_weights = batch.loss_mask, None
+        stale = torch.zeros((), dtype=torch.long)
+        if o.max_staleness is not None:
+            w = staleness_weights(lag, max_staleness=o.max_staleness, mode=o.staleness_mode, decay=o.staleness_decay)
+            stale = (mask & (w < 1)).sum()
+            if o.staleness_mode == "decay":
+                token_weights = w
+            mask = mask & (w > 0)
+        finite = batch.loss_mask & torch.isfinite(lag)
+        stats = {"loss_tokens": float(batch.loss_mask.sum()), "stale_tokens": float(stale),
+                 "foreign_tokens": float((batch.loss_mask & torch.isinf(lag)).sum()),
+                 "lag_sum": float(lag[finite].sum()), "lag_tokens": float(finite.sum())}
+        return self.objective.select(batch, mask), token_weights, stats
+
     def train_step(self) -> dict[str, float] | None:
-        """One optimizer step over ``grad_accum`` micro-batches; its metrics, or None when data ran out."""
+        """One optimizer step over ``grad_accum`` micro-batches; its metrics, or None when data ran out.
+
+        A step without any loss token on any rank is skipped (its metrics carry ``train/skipped: 1``).
+        """
         t_start = time.perf_counter()
         wait = 0.0
-        sums: dict[str, float] = defaultdict(float)
-        tokens = 0
-        sample_ids: list[str] = []
+        batches: list[PackedBatch] = []
         for _ in range(self.engine.grad_accum):
             t0 = time.perf_counter()
             batch = self._next_batch()
@@ -182,36 +252,84 @@ class RLRecipe:
             if batch is None:
                 return None
             self._check_token_ids(batch)
+            batches.append(batch)
+        masks, token_weights, stats = zip(*(self._loss_tokens(b) for b in batches))
+        responses = step_response_index([b.episode_index for b in batches], [b.episode_ids for b in batches])
+        weights, totals = step_loss_weights(
+            masks, responses, aggregation=self.objective.aggregation, norm_tokens=self.objective.norm_tokens,
+            all_reduce=self._all_reduce if self.world_size > 1 else None,
+            scale=self.engine.grad_accum * self.world_size)
+        metrics = self._data_metrics(batches, stats)
+        metrics.update({"train/loss_tokens": totals.tokens, "train/responses": totals.responses})
+        sample_ids = [i for b in batches for i in b.sample_ids]
+        if totals.tokens == 0:
+            self.skipped_steps += 1
+            log.info("step after %d: no loss token left on any rank (stale or filtered): skipped", self.step)
+            metrics.update({"train/skipped": 1.0, "train/skipped_steps": self.skipped_steps})
+            if self.samples_log is not None:
+                self.samples_log.write(_json_line({"skipped_after_step": self.step, "sample_ids": sample_ids}))
+            return metrics
+        sums: dict[str, float] = defaultdict(float)
+        tokens = 0
+        for batch, mask, tw, w in zip(batches, masks, token_weights, weights):
             batch = batch.to(self.device)
             logp = self.engine.logprobs(batch)
             ref_logp = self.engine.reference_logprobs(batch)
-            out = self.objective(logp, batch, ref_logp=ref_logp, current_version=self.policy_version)
+            out = self.objective(logp, batch, mask=mask.to(self.device), weights=w.to(self.device),
+                                 token_weights=None if tw is None else tw.to(self.device), ref_logp=ref_logp)
             self.engine.backward(out.loss)
             self.engine.step()
             for k, v in out.metrics.items():
                 sums[k] += float(v)
-            sums["reward"] += float(batch.sample_rewards.mean()) if batch.sample_rewards.numel() else 0.0
-            valid = batch.policy_versions >= 0
-            sums["staleness"] += float((self.policy_version - batch.policy_versions[valid]).float().mean()) \
-                if valid.any() else 0.0
             tokens += batch.num_tokens
-            sample_ids.extend(batch.sample_ids)
         self.step += 1
         self.tokens += tokens
+        self._skip_epochs = None
         dt = time.perf_counter() - t_start
         n = self.engine.grad_accum
-        metrics = {f"train/{k}": v / n for k, v in sums.items()}
+        metrics.update({f"train/{k}": v / n for k, v in sums.items()})
         metrics["train/kl"] = metrics.get("train/kl_ref", metrics.get("train/approx_kl", 0.0))
         metrics["train/lr"] = self.engine.lr()
         grad_norm = self.engine.grad_norm()
         if grad_norm is not None:
             metrics["train/grad_norm"] = grad_norm
         metrics["train/policy_version"] = self.policy_version
+        metrics["train/skipped_steps"] = self.skipped_steps
         metrics.update({"perf/tokens_per_s": tokens / dt, "perf/data_wait_fraction": wait / dt,
                         "perf/step_time_s": dt, "perf/tokens": self.tokens})
         if self.samples_log is not None:
             self.samples_log.write(_json_line({"step": self.step, "sample_ids": sample_ids}))
         return metrics
+
+    def _data_metrics(self, batches: list[PackedBatch], stats: tuple[dict[str, float], ...]) -> dict[str, float]:
+        """``data/…`` counts of the step's micro-batches and its staleness metrics (this rank)."""
+        out: dict[str, float] = defaultdict(float)
+        for b in batches:
+            for k, v in b.counts.as_dict().items():
+                out[f"data/{k}"] += v
+        total = {k: sum(s[k] for s in stats) for k in stats[0]}
+        loss_tokens = max(total["loss_tokens"], 1.0)
+        returns = torch.cat([b.episode_returns for b in batches])
+        out.update({
+            "train/reward": float(returns.mean()) if returns.numel() else 0.0,
+            "train/stale_fraction": total["stale_tokens"] / loss_tokens,
+            "train/foreign_fraction": total["foreign_tokens"] / loss_tokens,
+            "train/staleness": total["lag_sum"] / max(total["lag_tokens"], 1.0),
+        })
+        return dict(out)
+
+    def _stuck(self) -> bool:
+        """Offline: every shard of every rank went through a whole epoch of skipped steps (nothing can change now)."""
+        if self.cfg.data.mode != "offline":
+            return False
+        positions = self.stream.positions()
+        if self._skip_epochs is None:
+            self._skip_epochs = {}
+        done = bool(positions) and all(p.epoch >= self._skip_epochs.setdefault(s, p.epoch) + 2
+                                       for s, p in positions.items())
+        if self.world_size > 1:
+            done = bool(int(self._all_reduce(torch.tensor([int(done)]), op=torch.distributed.ReduceOp.MIN)))
+        return done
 
     def train(self, max_steps: int | None = None) -> dict[str, int]:
         """Train until ``max_steps`` (default ``cfg.max_steps``) or the data ends; publish and checkpoint on the way."""
@@ -225,6 +343,13 @@ class RLRecipe:
                     log.info("data exhausted after %d steps", self.step)
                     break
                 self.metrics.log(self.step, metrics)
+                if metrics.get("train/skipped"):
+                    if self._stuck():
+                        log.warning("offline data holds no loss token for policy version %d of lineage %s (every "
+                                    "sample stale or filtered) after a whole epoch: stopping after %d steps",
+                                    self.policy_version, self.lineage, self.step)
+                        break
+                    continue
                 if bar is not None:
                     bar.update(task, completed=self.step, info=(
                         f"loss {metrics['train/loss']:.4f}  reward {metrics['train/reward']:.3f}  "
@@ -250,7 +375,7 @@ class RLRecipe:
         """Model, optimizer, scheduler, every rank's RNG and dataset position, under tag ``step-<n>``."""
         client_state = {
             "step": self.step, "tokens": self.tokens, "policy_version": self.policy_version,
-            "parent_version": self.parent_version,
+            "parent_version": self.parent_version, "lineage": self.lineage, "skipped_steps": self.skipped_steps,
             "data": self._gather(self.loader.state_dict()), "rng": self._gather(_rng_state()),
         }
         self.engine.save_checkpoint(self.ckpt_dir, tag=f"step-{self.step}", client_state=client_state)
@@ -273,7 +398,7 @@ class RLRecipe:
             record = write_policy(
                 self.store, version=version, parent_version=self.policy_version, base_model=Path(self.cfg.model),
                 train_step=self.step, save_weights=save, adapter=self.cfg.lora.group if self.cfg.lora.enabled else None,
-                dataset_position=positions,
+                lineage=self.lineage, dataset_position=positions,
             )
             if self.emit_event is not None:
                 emit_policy_published(self.emit_event, record, domain=self.cfg.publish.domain)
