@@ -429,8 +429,9 @@ def finalize_shard(staging: str | Path, version: str, commit: int, domain: str, 
     released_keys = [key_string(tg, pv) for d, tg, pv in groups.released if d == domain]
     if keys is not None and not pc.all(pc.is_in(keys, value_set=pa.array(released_keys + held_keys,
                                                                          pa.string()))).as_py():
-        raise ValueError(f"rows of domain {domain!r} shard {shard} belong to groups neither released nor held; the "
-                         "held-group state and the held rows disagree (rerun after `pipelines.commit.recover`)")
+        raise ValueError(f"rows of domain {domain!r} shard {shard} belong to groups neither released nor held: the "
+                         "held-group state (`_state/<V>/groups-<n>.json`) does not match its held rows "
+                         "(`_state/<V>/held-<n>/`); restore both from the same commit")
     if held_keys and keys is not None:
         is_held = pc.is_in(keys, value_set=pa.array(held_keys, pa.string()))
         held_trajs = trajs.filter(is_held)
