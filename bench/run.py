@@ -90,6 +90,12 @@ def _rollout(ctx: BenchContext) -> dict:
     return bench_rollout(ctx.bootstrap, ctx.workdir / "rollout")
 
 
+def _round_trip(ctx: BenchContext) -> dict:
+    from bench.round_trip import bench_round_trip
+
+    return bench_round_trip(ctx.bootstrap, ctx.workdir / "round_trip")
+
+
 def _trainer(ctx: BenchContext) -> dict:
     from bench.trainer import bench_loader
 
@@ -102,6 +108,7 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "pipeline": _pipeline,
     "sandbox": _sandbox,
     "rollout": _rollout,
+    "round_trip": _round_trip,
     "trainer": _trainer,
 }
 

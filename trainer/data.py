@@ -531,6 +531,8 @@ class PackedBatch:
         episode_index: index into ``episode_ids`` (int64; -1 on padding); the
             windows of one episode share it: the response of per-response aggregation.
         sample_ids: one id per segment, ``<episode_id>#w<window>``, in packing order (length S).
+        sample_exact: per segment, whether it gives every action the whole context
+            the model saw (False: an inexact window, see :func:`plan_windows`).
         episode_ids: the batch's episodes, in packing order (length E).
         episode_returns: ``return_to_go`` of each episode's step 0 (its return ``G_0``), ``[E]`` float32.
         lineages: the distinct policy lineages of the batch ("" = base/unknown).
@@ -553,6 +555,7 @@ class PackedBatch:
     segment_ids: torch.Tensor
     episode_index: torch.Tensor
     sample_ids: list[str]
+    sample_exact: list[bool]
     episode_ids: list[str]
     episode_returns: torch.Tensor
     lineages: list[str]
@@ -624,6 +627,7 @@ class _Packer:
         self.segment = np.full((B, L), -1, dtype=np.int64)
         self.episode = np.full((B, L), -1, dtype=np.int64)
         self.sample_ids: list[str] = []
+        self.sample_exact: list[bool] = []
         self.episode_ids: list[str] = []
         self.episode_returns: list[float] = []
         self.lineages: dict[str, int] = {}
@@ -675,6 +679,7 @@ class _Packer:
             self.counts.episodes += 1
         self.episode[r, a:b] = len(self.episode_ids) - 1
         self.sample_ids.append(f"{ep.episode_id}#w{seg.window}")
+        self.sample_exact.append(bool(seg.exact))
         self.counts.windows += 1
         loss_tokens = int(self.loss_mask[r, a:b].sum())
         if not seg.exact:
@@ -691,7 +696,7 @@ class _Packer:
             behaviour_logprobs=t(self.blogp), has_behaviour_logprobs=t(self.has_blogp), advantages=t(self.adv),
             policy_versions=t(self.version), lineage_ids=t(self.lineage), temperature=t(self.temperature),
             top_p=t(self.top_p), top_k=t(self.top_k), segment_ids=t(self.segment), episode_index=t(self.episode),
-            sample_ids=self.sample_ids, episode_ids=self.episode_ids,
+            sample_ids=self.sample_ids, sample_exact=self.sample_exact, episode_ids=self.episode_ids,
             episode_returns=torch.tensor(self.episode_returns, dtype=torch.float32),
             lineages=list(self.lineages), num_tokens=self.tokens, counts=self.counts, position=position,
         )

@@ -26,6 +26,8 @@ pipeline_app = typer.Typer(help="Beam jobs: event log -> versioned Parquet datas
 app.add_typer(pipeline_app, name="pipeline")
 model_app = typer.Typer(help="Models for rollouts and training.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
+audit_app = typer.Typer(help="Check datasets against the policies that produced them.", no_args_is_help=True)
+app.add_typer(audit_app, name="audit")
 
 ConfigOpt = Annotated[Optional[str], typer.Option("--config", help="YAML/TOML settings file (or $TRAJPIPE_CONFIG)")]
 BootstrapOpt = Annotated[Optional[str], typer.Option("--bootstrap", help="Kafka bootstrap servers host:port[,host:port]")]
@@ -290,6 +292,17 @@ def model_init_tiny(
     _print_counts({"params": info["params"], "vocab_size": info["vocab_size"]})
 
 
+def _published_policy(model: Path | None) -> dict:
+    """``policy.json`` of a published policy directory (trainer/publish.py), or {}."""
+    if model is None or not (model / "policy.json").is_file():
+        return {}
+    try:
+        return json.loads((model / "policy.json").read_text())
+    except ValueError as err:
+        _fail(f"{model / 'policy.json'} is not valid JSON: {err}")
+    return {}
+
+
 @app.command("rollout")
 def rollout(
     episodes: Annotated[int, typer.Option(help="episodes to run")] = 100,
@@ -305,8 +318,10 @@ def rollout(
     temperature: Annotated[float, typer.Option(help="sampling temperature (hf, vllm); 0 = greedy")] = 1.0,
     top_p: Annotated[float, typer.Option("--top-p", help="nucleus mass (hf, vllm)")] = 1.0,
     noise: Annotated[float, typer.Option(help="scripted: probability of a wrong decision")] = 0.0,
-    policy_version: Annotated[int, typer.Option("--policy-version", help="version of --model")] = 0,
-    policy_lineage: Annotated[str, typer.Option("--policy-lineage", help="lineage of --model's version")] = "",
+    policy_version: Annotated[Optional[int], typer.Option(
+        "--policy-version", help="version of --model (default: its policy.json, else 0)")] = None,
+    policy_lineage: Annotated[Optional[str], typer.Option(
+        "--policy-lineage", help="lineage of --model's version (default: its policy.json, else none)")] = None,
     follow_policies: Annotated[bool, typer.Option("--follow-policies/--no-follow-policies",
                                                   help="load versions published on the control topic")] = True,
     producer_id: Annotated[Optional[str], typer.Option("--producer-id", help="worker id on the events")] = None,
@@ -338,6 +353,9 @@ def rollout(
               f"`trajpipe model init-tiny --out {model}`")
     if group_size < 1:
         _fail(f"`--group-size` must be >= 1, got {group_size}")
+    published = _published_policy(model)
+    policy_version = policy_version if policy_version is not None else published.get("version", 0)
+    policy_lineage = policy_lineage if policy_lineage is not None else published.get("lineage", "")
     settings = load_settings(config, bootstrap=bootstrap)
     producer_id = producer_id or f"rollout@{socket.gethostname()}:{os.getpid()}"
     conn = settings.connection(client_id="trajpipe-rollout")
@@ -406,6 +424,37 @@ def rollout(
         typer.echo(f"{counts.stuck} episodes were stuck at shutdown (closed as aborted); exiting", err=True)
         sys.stderr.flush()
         os._exit(3)
+
+
+@audit_app.command("logprobs")
+def audit_logprobs(
+    data: Annotated[Path, typer.Option(help="dataset root (holds _manifests/ and steps/)")],
+    model: Annotated[Path, typer.Option(help="the weights that acted: a base model or a published policy dir")],
+    recipe: Annotated[Optional[str], typer.Option(help="dataset version <name>-<hash8> (when --data holds several)")] = None,
+    policy_version: Annotated[Optional[int], typer.Option(
+        "--policy-version", help="compare steps of this version (default: --model's policy.json, else 0)")] = None,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="trainer sequence length (>= the policy's context)")] = 4096,
+    domains: Annotated[Optional[str], typer.Option(help="comma-separated domains (default: all)")] = None,
+) -> None:
+    """Re-score every recorded action with --model on the trainer's data path; print max |Δ| to the behaviour log-probs.
+
+    Under the weights that acted, the trainer must get the recorded log-probs back (see trainer/audit.py).
+    """
+    import msgspec
+
+    from trainer.audit import audit_behaviour_logprobs
+    from trainer.data import DataError
+
+    if not (model / "config.json").is_file():
+        _fail(f"`--model` {model} is not a model directory (no config.json)")
+    version = policy_version if policy_version is not None else _published_policy(model).get("version", 0)
+    try:
+        result = audit_behaviour_logprobs(
+            data, model, recipe=recipe, policy_version=version, seq_len=seq_len,
+            domains=tuple(d.strip() for d in domains.split(",") if d.strip()) if domains else None)
+    except DataError as err:
+        _fail(str(err))
+    _print_counts({"policy_version": version, **msgspec.to_builtins(result)})
 
 
 @app.command("query")
