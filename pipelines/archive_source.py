@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 import typing
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
@@ -42,6 +43,7 @@ from apache_beam.metrics import Metrics
 
 from pipelines.decode import validate_event
 from pipelines.gcpause import gc_paused
+from pipelines.late import LATE_TAG, LateState
 from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE
 from schemas.arrow import ENVELOPE_FIELDS, archive_schema, payload_fields
 from schemas.deadletter import DeadLetter
@@ -68,11 +70,15 @@ class ArchiveFile(msgspec.Struct, frozen=True, kw_only=True):
         path: absolute path of the Parquet file.
         commit: the archive commit that wrote it.
         topic: the topic the archive copies (for dead-letter positions).
+        created_s: when the archive commit was made (epoch seconds): its events
+            were produced before it (the processing time future event times are
+            judged against).
     """
 
     path: str
     commit: int
     topic: str
+    created_s: float = 0.0
 
 
 def list_archive_files(archive_dir: str | Path, *, skip_commits: Sequence[int] = ()) -> list[ArchiveFile]:
@@ -92,7 +98,7 @@ def list_archive_files(archive_dir: str | Path, *, skip_commits: Sequence[int] =
         raise FileNotFoundError(f"`--archive` {root} is not an event archive (no _commits/ directory)")
     skip = set(skip_commits)
     return [
-        ArchiveFile(path=str(root / f), commit=c.commit, topic=c.topic)
+        ArchiveFile(path=str(root / f), commit=c.commit, topic=c.topic, created_s=c.created_at.timestamp())
         for c in read_commits(root)
         if c.commit not in skip
         for f in c.files
@@ -281,12 +287,13 @@ FRAMES_TAG = "frames"
 
 
 class _ReadFileLocalFn(beam.DoFn):
-    def __init__(self, split: frozenset[str], already_emitted: frozenset[str], buckets: int) -> None:
+    def __init__(self, split: frozenset[str], already_emitted: frozenset[str], buckets: int, *,
+                 late: LateState | None, future_after_s: float) -> None:
         from pipelines.frames import EpisodeAssembler
 
         self._split = split
         self._buckets = buckets
-        self._assemble = EpisodeAssembler(already_emitted)
+        self._assemble = EpisodeAssembler(already_emitted, late=late, future_after_s=future_after_s)
         self._events_in = Metrics.counter(METRICS_NAMESPACE, "events_in")
         self._dead = Metrics.counter(METRICS_NAMESPACE, "dead_letters")
         self._files = Metrics.counter(METRICS_NAMESPACE, "archive_files_read")
@@ -329,22 +336,26 @@ class ReadArchiveEpisodes(beam.PTransform):
         archive_dir: the archive root.
         files: the files to read (default: every committed file).
         split: episode ids that must go through the shuffle.
-        already_emitted: episode ids earlier commits emitted (their events are duplicates).
+        already_emitted: episode ids earlier commits emitted complete or hold (their events are duplicates).
         buckets: shuffle buckets of the ``frames`` output (:func:`pipelines.frames.shuffle_buckets`).
+        late: the late state of the last commit (episodes it wrote incomplete; pipelines/late.py).
+        future_after_s: event times after this (epoch seconds) are future (kept, not on the clock).
 
     Returns:
         A ``DoOutputsTuple``: ``episodes`` (complete :class:`~pipelines.types.Episode` s),
-        ``undecided``, ``clock``, ``frames`` and ``dead_letters``. Counters as
+        ``undecided``, ``clock``, ``late``, ``frames`` and ``dead_letters``. Counters as
         ``pipeline/events_in``, ``pipeline/dead_letters``, ``pipeline/archive_files_read``,
         ``pipeline/episodes_assembled_locally``.
     """
 
     def __init__(self, archive_dir: str | Path, *, files: Sequence[ArchiveFile] | None = None,
-                 split: Iterable[str] = (), already_emitted: Iterable[str] = (), buckets: int = 1) -> None:
+                 split: Iterable[str] = (), already_emitted: Iterable[str] = (), buckets: int = 1,
+                 late: LateState | None = None, future_after_s: float = math.inf) -> None:
         super().__init__()
         self._files = list(files) if files is not None else list_archive_files(archive_dir)
         self._split, self._already = frozenset(split), frozenset(already_emitted)
         self._buckets = buckets
+        self._late, self._future_after = late, future_after_s
 
     def expand(self, pbegin):
         from pipelines.frames import CLOCK_TAG, UNDECIDED_TAG
@@ -354,6 +365,8 @@ class ReadArchiveEpisodes(beam.PTransform):
             pbegin
             | "ListFiles" >> beam.Create(self._files, reshuffle=False)
             | "Distribute" >> beam.Reshuffle()
-            | "ReadAndAssemble" >> beam.ParDo(_ReadFileLocalFn(self._split, self._already, self._buckets)).with_output_types(
-                Episode).with_outputs(DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG, FRAMES_TAG, main="episodes")
+            | "ReadAndAssemble" >> beam.ParDo(_ReadFileLocalFn(
+                self._split, self._already, self._buckets, late=self._late, future_after_s=self._future_after)
+            ).with_output_types(Episode).with_outputs(DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG, LATE_TAG, FRAMES_TAG,
+                                                      main="episodes")
         )

@@ -24,6 +24,7 @@ import apache_beam as beam
 import msgspec
 import numpy as np
 
+from pipelines.late import LateEpisode
 from pipelines.types import Episode, RawRecords
 from schemas.codec import decode_event, encode_event
 from schemas.datasets import StepRow, TrajectoryRow, Verification
@@ -33,7 +34,7 @@ from schemas.events import Event, LogProbs, TokenIds
 __all__ = ["TrajCoder", "register_coders"]
 
 _EXT_EVENT, _EXT_ARRAY, _EXT_STRUCT = 10, 11, 12
-_STRUCTS: tuple[type, ...] = (Episode, Verification, StepRow, TrajectoryRow, DeadLetter, RawRecords)
+_STRUCTS: tuple[type, ...] = (Episode, Verification, StepRow, TrajectoryRow, DeadLetter, RawRecords, LateEpisode)
 _STRUCT_ID = {cls: i for i, cls in enumerate(_STRUCTS)}
 _FIELDS = {cls: cls.__struct_fields__ for cls in _STRUCTS}
 _VIEWS = {"<i4": TokenIds, "<f4": LogProbs}
@@ -122,7 +123,7 @@ class TrajCoder(beam.coders.Coder):
 
 def register_coders() -> None:
     """Use :class:`TrajCoder` for every element type of the job (idempotent)."""
-    for cls in (Event, Episode, StepRow, TrajectoryRow, DeadLetter, RawRecords):
+    for cls in (Event, Episode, StepRow, TrajectoryRow, DeadLetter, RawRecords, LateEpisode):
         beam.coders.registry.register_coder(cls, TrajCoder)
 
 

@@ -10,6 +10,8 @@ Layout under ``<out>`` for dataset version ``V = <recipe name>-<hash8>``::
     _state/V/pending-<n>.arrow                          events of unfinished episodes after commit n
     _state/V/groups-<n>.json                            GRPO groups held after commit n (pipelines.groups)
     _state/V/held-<n>/domain=D/s<k>.{trajectories,steps}.arrow   their rows (un-normalized)
+    _state/V/late-<n>.arrow                             events of episodes written incomplete (pipelines.late)
+    late_events/recipe=V/c<n>.parquet                   late events (archive schema + late_reason)
     _staging/V/<n>/...                                  files of commit n before it is committed
 
 Commit ``n`` (driver side, after the Beam job has written ``_staging/V/<n>/``):
@@ -20,8 +22,8 @@ Commit ``n`` (driver side, after the Beam job has written ``_staging/V/<n>/``):
    input it covers (archive commits or Kafka offsets), the counts, the
    event-time clock and the state files;
 3. rename every staged file into place (``os.replace``), then drop the
-   staging directory and older pending files (and older held-group state
-   when the commit wrote its own).
+   staging directory, older pending files, late-state files the manifest
+   no longer names (and older held-group state when the commit wrote its own).
 
 :func:`recover` runs before every job: a staging directory whose manifest
 exists is rolled forward (step 3 redone; idempotent), one without is rolled
@@ -41,16 +43,20 @@ import fcntl
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as pads
+import pyarrow.feather as feather
 import pyarrow.parquet as pq
 
 from pipelines.groups import GroupState, HeldPart, HeldState
+from pipelines.late import LATE_STATE_FILE, LateState, late_state_index, late_state_newest_s
 from pipelines.normalize import NormState, RunningStats, load_norm_state
 from pipelines.sinks import GROUPS_FILE, HELD_DIR, PENDING_FILE, RUN_STATS_FILE, STAGED_SUFFIX
 from schemas.datasets import DATASET_SCHEMA_VERSION
@@ -67,8 +73,11 @@ __all__ = [
     "commit_staged",
     "commit_lock",
     "covered_offsets",
-    "committed_episode_ids",
+    "CommittedEpisodes",
+    "committed_episodes",
     "latest_pending_file",
+    "load_late_state",
+    "carry_late_state",
     "load_held_state",
     "held_episode_ids",
 ]
@@ -118,6 +127,9 @@ class DatasetManifest(msgspec.Struct, kw_only=True):
             no groups, e.g. a stream's pending-state commit; the last one that did stands).
         held_parts: base paths (relative to ``<out>``) of the held groups' rows
             (``<base>.trajectories.arrow``, ``<base>.steps.arrow``), with ``groups_file``.
+        late_state: the late-state files after this commit (pipelines/late.py):
+            ``path -> newest event time in it`` (epoch seconds), in commit order;
+            a file is dropped once that is older than the retention.
         norm_file: the persisted statistics file.
         clock_s: event-time clock (epoch seconds) after this commit.
         counts: the run's counts (events_in, episodes, steps, dead_letters, ...).
@@ -141,6 +153,7 @@ class DatasetManifest(msgspec.Struct, kw_only=True):
     pending_file: str | None = None
     groups_file: str | None = None
     held_parts: list[str] = []
+    late_state: dict[str, float] = {}
     norm_file: str | None = None
     clock_s: float = 0.0
     counts: dict[str, int] = {}
@@ -190,6 +203,9 @@ class DatasetLayout(msgspec.Struct, frozen=True):
     def held_dir(self, commit: int) -> str:
         return f"_state/{self.version}/held-{commit:08d}"
 
+    def late_state_file(self, commit: int) -> str:
+        return f"_state/{self.version}/late-{commit:08d}.arrow"
+
 
 def read_manifests(layout: DatasetLayout) -> list[DatasetManifest]:
     """The committed manifests of a version, in commit order.
@@ -233,6 +249,9 @@ def _roll_forward(layout: DatasetLayout, manifest: DatasetManifest) -> int:
         for old in state.glob("held-*"):
             if str(old.relative_to(layout.root)) != layout.held_dir(manifest.commit):
                 shutil.rmtree(old)
+    for old in state.glob("late-*.arrow"):  # every commit names the live late-state files
+        if str(old.relative_to(layout.root)) not in manifest.late_state:
+            old.unlink()
     # Pending state of earlier commits is superseded by this one's. A stream window commit
     # writes none and supersedes nothing: the stream's pending state is written when it stops.
     if manifest.mode == "stream" and manifest.pending_file is None:
@@ -275,7 +294,9 @@ def commit_staged(
     Args:
         layout: the version's paths.
         manifest: the manifest to write; ``files``, ``pending_file`` and
-            ``norm_file`` are filled in here from the staging directory.
+            ``norm_file`` are filled in here from the staging directory, and a
+            staged late-state file is added to ``late_state`` (which holds the
+            files carried over: :func:`carry_late_state`).
         prior_norm: persisted statistics before this run.
         crash_at: test hook simulating a crash: ``before_manifest`` or
             ``after_manifest`` (manifest written, one file renamed).
@@ -292,6 +313,7 @@ def commit_staged(
     files: list[CommittedFile] = []
     run_stats: dict[str, RunningStats] = {}
     pending_file = groups_file = None
+    late_state = dict(manifest.late_state)
     held_parts: set[str] = set()
     held_prefix = f"state/{HELD_DIR}/"
     for p in sorted(staging.rglob(f"*{STAGED_SUFFIX}")):
@@ -302,6 +324,11 @@ def commit_staged(
         if rel == f"state/{PENDING_FILE}":
             pending_file = layout.pending_file(n)
             files.append(CommittedFile(path=pending_file, staged=staged_rel(p)))
+            continue
+        if rel == f"state/{LATE_STATE_FILE}":
+            path = layout.late_state_file(n)
+            late_state[path] = late_state_newest_s(p)
+            files.append(CommittedFile(path=path, staged=staged_rel(p)))
             continue
         if rel == f"state/{GROUPS_FILE}":
             groups_file = layout.groups_file(n)
@@ -322,7 +349,8 @@ def commit_staged(
     norm_staged.write_bytes(msgspec.json.encode(norm, order="sorted"))
     files.append(CommittedFile(path=layout.norm_file, staged=staged_rel(norm_staged)))
     manifest = msgspec.structs.replace(manifest, files=files, pending_file=pending_file, groups_file=groups_file,
-                                       held_parts=sorted(held_parts), norm_file=layout.norm_file)
+                                       held_parts=sorted(held_parts), late_state=late_state,
+                                       norm_file=layout.norm_file)
     if crash_at == "before_manifest":
         raise CommitError(f"simulated crash before the manifest of commit {n}")
     atomic_write(layout.manifests / f"{n:08d}.json", msgspec.json.encode(manifest))
@@ -372,13 +400,33 @@ def covered_offsets(manifests: list[DatasetManifest], topic: str) -> dict[int, i
     return out
 
 
-def committed_episode_ids(layout: DatasetLayout, manifests: list[DatasetManifest]) -> set[str]:
-    """Episode ids in the trajectory files of ``manifests`` (complete and incomplete)."""
+class CommittedEpisodes(msgspec.Struct, frozen=True):
+    """Episode ids in the committed trajectory files.
+
+    Attributes:
+        complete: written as complete episodes.
+        incomplete: written as incomplete and never (yet) as complete.
+    """
+
+    complete: frozenset[str] = frozenset()
+    incomplete: frozenset[str] = frozenset()
+
+    @property
+    def all(self) -> frozenset[str]:
+        return self.complete | self.incomplete
+
+
+def committed_episodes(layout: DatasetLayout, manifests: list[DatasetManifest]) -> CommittedEpisodes:
+    """Episode ids in the trajectory files of ``manifests``, complete and incomplete-only."""
     paths = [str(layout.root / f.path) for m in manifests for f in m.files if f.path.startswith("trajectories/")]
     paths = [p for p in paths if Path(p).exists()]
     if not paths:
-        return set()
-    return set(pads.dataset(paths, format="parquet").to_table(columns=["episode_id"]).column(0).to_pylist())
+        return CommittedEpisodes()
+    table = pads.dataset(paths, format="parquet").to_table(columns=["episode_id", "complete"])
+    is_complete = table.column("complete")
+    complete = frozenset(pc.filter(table.column("episode_id"), is_complete).to_pylist())
+    seen = frozenset(pc.unique(table.column("episode_id")).to_pylist())
+    return CommittedEpisodes(complete=complete, incomplete=seen - complete)
 
 
 def latest_pending_file(layout: DatasetLayout, manifests: list[DatasetManifest]) -> Path | None:
@@ -416,7 +464,77 @@ def load_held_state(layout: DatasetLayout, manifests: list[DatasetManifest]) -> 
 
 def held_episode_ids(held: HeldState) -> set[str]:
     """Ids of the episodes whose rows are held (they count as emitted: their events again are duplicates)."""
-    import pyarrow.feather as feather
-
     return {i for part in held.parts
             for i in feather.read_table(f"{part.base}.trajectories.arrow", columns=["episode_id"]).column(0).to_pylist()}
+
+
+def load_late_state(layout: DatasetLayout, manifests: list[DatasetManifest], *, emitted: Iterable[str],
+                    incomplete: Iterable[str], clock_s: float, retention_s: float) -> LateState:
+    """The late state the newest commit left, for the assemblers (pipelines/late.py).
+
+    Args:
+        layout: the version's paths.
+        manifests: the committed manifests.
+        emitted: episodes emitted complete (or held) since: never late again.
+        incomplete: episodes committed as incomplete (:attr:`CommittedEpisodes.incomplete`).
+        clock_s: the event-time clock of the newest commit.
+        retention_s: an episode's events are kept while ``last event time + retention_s >= clock_s``.
+
+    Raises:
+        CommitError: a late-state file the manifest names is missing.
+    """
+    emitted = frozenset(emitted)
+    late = frozenset(incomplete) - emitted
+    named = list(manifests[-1].late_state) if manifests else []
+    paths = [layout.root / rel for rel in named]
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        raise CommitError(f"commit {manifests[-1].commit} of {layout.version} names late state that is missing: "
+                          f"{missing[:3]}; restore it from a backup (or its episodes' late events are `expired`)")
+    index = late_state_index([str(p) for p in paths], skip=emitted)
+    stored = {e: ref for e, ref in index.items() if e in late and ref.last_s + retention_s >= clock_s}
+    return LateState(incomplete=late, stored=stored, files=tuple(str(p) for p in paths))
+
+
+#: Late-state files a commit carries before it merges them into its own (one read of the live state).
+LATE_STATE_MAX_FILES = 16
+
+
+def carry_late_state(layout: DatasetLayout, last: DatasetManifest | None, staging: Path, *, clock_s: float,
+                     retention_s: float, drop: Iterable[str] = ()) -> dict[str, float]:
+    """The late-state files of ``last`` that the next commit keeps (for its manifest's ``late_state``).
+
+    A file is kept while its newest event time is within ``retention_s`` of
+    ``clock_s``. When more than :data:`LATE_STATE_MAX_FILES` would be live,
+    the kept files' episodes (their newest copy, within the retention, not in
+    ``drop`` nor in the commit's own staged late state) are merged into the
+    staged late-state file and nothing is carried: the live state is read
+    once every few commits, never rewritten by every one.
+
+    Args:
+        layout: the version's paths.
+        last: the newest committed manifest (None: none).
+        staging: the commit's staging directory.
+        clock_s: the event-time clock after the commit.
+        retention_s: ``--late-retention`` seconds.
+        drop: episodes emitted complete by now (their kept events are not needed).
+    """
+    kept = {p: t for p, t in (last.late_state if last else {}).items() if t + retention_s >= clock_s}
+    staged = staging / "state" / (LATE_STATE_FILE + STAGED_SUFFIX)
+    if len(kept) + staged.exists() <= LATE_STATE_MAX_FILES:
+        return kept
+    tables = [feather.read_table(staged)] if staged.exists() else []
+    done = set(drop) | (set(tables[0].column("episode_id").to_pylist()) if tables else set())
+    paths = [str(layout.root / p) for p in kept]
+    index = late_state_index(paths, skip=done)
+    by_file: dict[int, list[int]] = {}
+    for ref in index.values():
+        if ref.last_s + retention_s >= clock_s:
+            by_file.setdefault(ref.file, []).extend(range(ref.start, ref.start + ref.rows))
+    for i, rows in sorted(by_file.items()):
+        tables.append(feather.read_table(paths[i]).take(pa.array(sorted(rows), pa.int64())))
+    merged = pa.concat_tables(tables).sort_by([("episode_id", "ascending"), ("seq", "ascending")])
+    staged.parent.mkdir(parents=True, exist_ok=True)
+    feather.write_feather(merged, staged, compression="uncompressed")
+    _LOG.info("late state: merged %d files (%d events) into commit %s's", len(kept), merged.num_rows, staging.name)
+    return {}

@@ -10,8 +10,11 @@ Examples:
 
 from __future__ import annotations
 
+import math
+import time
 from collections import defaultdict
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from typing import Any, List, Tuple
 
 import apache_beam as beam
@@ -70,17 +73,23 @@ def _where(event: Event) -> str:
 
 
 class _DecodeBatchFn(beam.DoFn):
-    """One RawRecords batch → one fragment per episode in it (+ dead letters)."""
+    """One RawRecords batch → one fragment per episode in it (+ dead letters); counts future events."""
 
-    def __init__(self, max_event_bytes: int) -> None:
+    def __init__(self, max_event_bytes: int, max_future_s: float) -> None:
         self._max_event_bytes = max_event_bytes
+        self._max_future_s = max_future_s
+        self._future = Metrics.counter(METRICS_NAMESPACE, "future_events")
         self._events_in = Metrics.counter(METRICS_NAMESPACE, "events_in")
         self._dead = Metrics.counter(METRICS_NAMESPACE, "dead_letters")
         self._batches = Metrics.counter(METRICS_NAMESPACE, "batches_in")
 
     def process(self, batch: RawRecords) -> Iterator[Any]:
         by_episode: dict[str, list[Event]] = defaultdict(list)
-        dead = 0
+        dead = future = 0
+        limit_s = time.time() + self._max_future_s  # processing time + tolerance
+        limit_ms = limit_s * 1000 if math.isfinite(limit_s) else math.inf
+        limit = datetime.fromtimestamp(limit_s, timezone.utc) if math.isfinite(limit_s) else datetime.max.replace(
+            tzinfo=timezone.utc)
         for offset, key, value, ts in zip(batch.offsets, batch.keys, batch.values, batch.timestamps_ms):
             try:
                 event = decode_event(value, max_bytes=self._max_event_bytes)
@@ -95,11 +104,15 @@ class _DecodeBatchFn(beam.DoFn):
                 yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, record_dead_letter(
                     batch.topic, batch.partition, offset, ts, key, value, problem[0], problem[1], event.event_type))
                 continue
+            if ts > limit_ms or event.event_time > limit:
+                future += 1
             by_episode[event.episode_id].append(event)
         self._batches.inc()
         self._events_in.inc(len(batch))
         if dead:
             self._dead.inc(dead)
+        if future:
+            self._future.inc(future)
         yield from by_episode.items()
 
 
@@ -119,19 +132,24 @@ class DecodeAndValidate(beam.PTransform):
     with :func:`validate_event`. Bad records never fail the job: they leave on
     the ``dead_letters`` output as :class:`schemas.deadletter.DeadLetter`
     (reason code, message, source topic/partition/offset, raw key and value).
-    Counters ``pipeline/events_in`` and ``pipeline/dead_letters``.
+    Counters ``pipeline/events_in`` and ``pipeline/dead_letters``, and
+    ``pipeline/future_events``: events whose ``event_time`` or Kafka record
+    timestamp is more than ``max_future_s`` ahead of the wall clock when the
+    batch is decoded (a producer's clock running fast; they are kept).
 
     Returns:
         A ``DoOutputsTuple`` with ``fragments`` (``(episode_id, list[Event])``,
         one per episode per batch) and ``dead_letters``.
     """
 
-    def __init__(self, *, max_event_bytes: int = 1 << 20) -> None:
+    def __init__(self, *, max_event_bytes: int = 1 << 20, max_future_s: float = math.inf) -> None:
         super().__init__()
         self._max_event_bytes = max_event_bytes
+        self._max_future_s = max_future_s
 
     def expand(self, batches):
-        return batches | "DecodeBatches" >> beam.ParDo(_DecodeBatchFn(self._max_event_bytes)).with_output_types(
+        return batches | "DecodeBatches" >> beam.ParDo(
+            _DecodeBatchFn(self._max_event_bytes, self._max_future_s)).with_output_types(
             Tuple[str, List[Event]]).with_outputs(
             DEAD_LETTER_TAG, main="fragments"
         )

@@ -12,7 +12,8 @@ a few elements per batch instead of one per episode (its per-element cost was
 ~15 % of the Kafka job), and grouping by episode inside a bucket is exact.
 After the GroupByKey, :class:`AssembleFromFrames` decodes every frame once,
 validates it (dead letters keep their source position), groups the bucket's
-events by episode, drops episodes an earlier commit emitted, dedupes, and
+events by episode, drops episodes an earlier commit emitted complete,
+resolves late events of those it wrote incomplete (pipelines/late.py), dedupes, and
 builds each :class:`~pipelines.types.Episode` — fused with the verify →
 rewards → clip transforms that follow, so an event is decoded exactly once on
 its way to Parquet.
@@ -32,6 +33,7 @@ Examples:
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -52,9 +54,11 @@ from pipelines.assemble import (
     _status,
     assemble_episode,
     dedupe_events,
+    resolve_late,
 )
 from pipelines.decode import record_dead_letter, validate_event
 from pipelines.gcpause import gc_paused
+from pipelines.late import LATE_TAG, LateEpisode, LateState, LateStateReader
 from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE, Episode, RawRecords
 from schemas.codec import EventDecodeError, decode_event, encode_event
 from schemas.events import Event
@@ -216,20 +220,32 @@ class EventsToFrames(beam.PTransform):
 class EpisodeAssembler:
     """The per-episode end of batch assembly, shared by the shuffle and the local (archive) paths.
 
-    Called with one episode's valid events (any order, maybe repeated), it
-    yields nothing more if an earlier commit emitted the episode (all its
-    events are duplicates);
-    ``seq_conflict`` dead letters; then the complete
+    Called with one episode's valid events (any order, maybe repeated) — all
+    of them that the run read: every caller hands over an episode whole — it
+    yields nothing more if an earlier commit emitted the episode complete (or
+    holds it: all its events are duplicates); for an episode an earlier commit
+    wrote as incomplete, the outcome of its late events
+    (:func:`pipelines.assemble.resolve_late` against the kept events of
+    ``late``): :class:`~pipelines.late.LateEpisode` on ``late``, and the
+    episode, complete with ``completed_late=True``, when they complete it.
+    Otherwise ``seq_conflict`` dead letters; then the complete
     :class:`~pipelines.types.Episode` (main output) or ``(episode_id, unique
     events)`` on ``undecided``. Keeps the job's counters, and the latest
     event time it has seen, which the DoFn emits once per bundle on ``clock``
-    (:meth:`clock_output`, from ``finish_bundle``).
+    (:meth:`clock_output`, from ``finish_bundle``). Event times after
+    ``future_after_s`` are *future* (counted ``future_events``, kept in their
+    episode) and never reach the clock.
     """
 
-    def __init__(self, already_emitted: frozenset[str]) -> None:
+    def __init__(self, already_emitted: frozenset[str], *, late: LateState | None = None,
+                 future_after_s: float = math.inf) -> None:
         self._already = already_emitted
+        self._late = late or LateState()
+        self._reader: LateStateReader | None = None
+        self._future_after = future_after_s
         self._c = {k: Metrics.counter(METRICS_NAMESPACE, k)
-                   for k in ("dead_letters", "duplicates", "events_used", "episodes_complete")}
+                   for k in ("dead_letters", "duplicates", "events_used", "episodes_complete", "late_events",
+                             "episodes_completed_late", "future_events")}
         self._event_time = Metrics.distribution(METRICS_NAMESPACE, EVENT_TIME_METRIC)
         self._latest: float | None = None
 
@@ -241,22 +257,32 @@ class EpisodeAssembler:
             self._event_time.update(int(self._latest * 1000))
         self._latest = None
 
+    def _clock_time(self, events: list[Event]) -> float | None:
+        """Latest event time of ``events`` that is not in the future (None: all are); counts the future ones."""
+        latest = max(e.event_time for e in events).timestamp()
+        if latest <= self._future_after:
+            return latest
+        times = [e.event_time.timestamp() for e in events]  # rare: a producer's clock runs fast
+        present = [t for t in times if t <= self._future_after]
+        self._c["future_events"].inc(len(times) - len(present))
+        return max(present, default=None)
+
     def __call__(self, episode_id: str, events: list[Event]) -> Iterator[Any]:
         if not events:
             return
-        latest = max(e.event_time for e in events).timestamp()
-        if self._latest is None or latest > self._latest:
+        latest = self._clock_time(events)
+        if latest is not None and (self._latest is None or latest > self._latest):
             self._latest = latest
         if episode_id in self._already:  # re-delivered events of an episode an earlier commit emitted
             self._c["duplicates"].inc(len(events))
             return
+        if episode_id in self._late.incomplete:
+            yield from self._late_events(episode_id, events)
+            return
         unique, dups, conflicts = dedupe_events(events)
         if dups:
             self._c["duplicates"].inc(dups)
-        if conflicts:
-            self._c["dead_letters"].inc(len(conflicts))
-            for ev in conflicts:
-                yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, _conflict_letter(ev))
+        yield from self._conflicts(conflicts)
         complete, _ = _status(unique)
         if complete:
             self._c["events_used"].inc(len(unique))
@@ -265,10 +291,40 @@ class EpisodeAssembler:
         else:
             yield beam.pvalue.TaggedOutput(UNDECIDED_TAG, (episode_id, unique))
 
+    def _conflicts(self, conflicts: list[Event]) -> Iterator[Any]:
+        if conflicts:
+            self._c["dead_letters"].inc(len(conflicts))
+            for ev in conflicts:
+                yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, _conflict_letter(ev))
+
+    def _late_events(self, episode_id: str, events: list[Event]) -> Iterator[Any]:
+        if self._reader is None:
+            self._reader = LateStateReader(self._late)
+        kept = self._reader.events(episode_id)
+        res = resolve_late(events, kept)
+        if res.duplicates:
+            self._c["duplicates"].inc(res.duplicates)
+        yield from self._conflicts(res.conflicts)
+        if not res.late:
+            return
+        self._c["late_events"].inc(len(res.late))
+        if not kept:
+            yield beam.pvalue.TaggedOutput(LATE_TAG, LateEpisode(episode_id=episode_id, reason="expired",
+                                                                 late=res.late))
+        elif res.complete:
+            self._c["episodes_completed_late"].inc()
+            yield beam.pvalue.TaggedOutput(LATE_TAG, LateEpisode(episode_id=episode_id, reason="completed",
+                                                                 late=res.late))
+            yield assemble_episode(episode_id, res.events, complete=True, reason=None, completed_late=True)
+        else:
+            yield beam.pvalue.TaggedOutput(LATE_TAG, LateEpisode(episode_id=episode_id, reason="stored", late=res.late,
+                                                                 store=res.events))
+
 
 class _AssembleFromFramesFn(beam.DoFn):
-    def __init__(self, already_emitted: frozenset[str], max_event_bytes: int) -> None:
-        self._assemble = EpisodeAssembler(already_emitted)
+    def __init__(self, already_emitted: frozenset[str], max_event_bytes: int, *, late: LateState | None,
+                 future_after_s: float) -> None:
+        self._assemble = EpisodeAssembler(already_emitted, late=late, future_after_s=future_after_s)
         self._max = max_event_bytes
         self._dead = Metrics.counter(METRICS_NAMESPACE, "dead_letters")
 
@@ -306,54 +362,72 @@ class _AssembleFromFramesFn(beam.DoFn):
 
 
 class AssembleFromFrames(beam.PTransform):
-    """Grouped frame blobs ``(bucket, Iterable[bytes])`` → complete Episodes, undecided, clock, dead letters.
+    """Grouped frame blobs ``(bucket, Iterable[bytes])`` → complete Episodes, undecided, late, clock, dead letters.
 
     Decodes and validates each frame (decode errors and semantic problems →
     ``dead_letters`` with the record's topic/partition/offset), drops whole
-    episodes in ``already_emitted`` as duplicates, dedupes by ``event_id``
+    episodes in ``already_emitted`` as duplicates, resolves the events of
+    episodes in ``late.incomplete`` against their kept events (``late``, and
+    the episodes they complete), dedupes by ``event_id``
     (``seq_conflict`` → ``dead_letters``), and emits complete episodes as
     :class:`~pipelines.types.Episode` on the main output; unfinished or gapped
     ones go to ``undecided`` as ``(episode_id, events)``. ``clock`` carries
-    each bundle's latest event time (epoch seconds).
+    each bundle's latest event time (epoch seconds) that is not after
+    ``future_after_s`` (:class:`EpisodeAssembler`).
     """
 
-    def __init__(self, *, already_emitted: Iterable[str] = (), max_event_bytes: int = 1 << 20) -> None:
+    def __init__(self, *, already_emitted: Iterable[str] = (), max_event_bytes: int = 1 << 20,
+                 late: LateState | None = None, future_after_s: float = math.inf) -> None:
         super().__init__()
         self._already = frozenset(already_emitted)
         self._max = max_event_bytes
+        self._late, self._future_after = late, future_after_s
 
     def expand(self, grouped):
         return grouped | "DecodeAssemble" >> beam.ParDo(
-            _AssembleFromFramesFn(self._already, self._max)).with_output_types(Episode).with_outputs(
-            DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG, main="episodes")
+            _AssembleFromFramesFn(self._already, self._max, late=self._late, future_after_s=self._future_after)
+        ).with_output_types(Episode).with_outputs(DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG, LATE_TAG,
+                                                  main="episodes")
 
 
 class AssembleEpisodesFromFrames(beam.PTransform):
-    """Frame blobs → episodes: the batch counterpart of :class:`pipelines.assemble.AssembleEpisodes`.
+    """Frame blobs → episodes: the batch counterpart of :class:`pipelines.assemble.AssembleEpisodesStreaming`.
 
     ``GroupByKey`` by shuffle bucket → :class:`AssembleFromFrames`; undecided
     episodes are decided against the run's event-time clock
-    ``max(clock_floor_s, latest event time)`` (a side input) exactly as
-    :class:`~pipelines.assemble.AssembleEpisodes` does: ``pending`` while
-    younger than ``incomplete_after_s``, then ``incomplete``.
+    ``max(clock_floor_s, latest event time)`` (a side input; event times after
+    ``future_after_s`` left out) with :func:`pipelines.assemble.decide`:
+    ``pending`` while younger than ``incomplete_after_s``, then ``incomplete``
+    (and, with ``keep_incomplete``, their events on ``late`` for the late state).
 
     Input: the frames PCollection, or a dict with ``frames`` plus the outputs
     of a local assembly that skipped the shuffle
     (:class:`pipelines.archive_source.ReadArchiveEpisodes`): its
-    ``undecided`` and ``clock`` join the decision and the clock.
+    ``undecided``, ``clock`` and ``late`` join the decision, the clock and
+    the late output.
+
+    Args:
+        incomplete_after_s: idle event time before an unfinished episode is incomplete.
+        clock_floor_s: the clock of the last commit (the clock never goes back).
+        already_emitted: episodes emitted complete (or held) by earlier commits.
+        late: the late state of the last commit (:func:`pipelines.commit.load_late_state`).
+        future_after_s: event times after this (epoch seconds) are future.
+        keep_incomplete: put the events of episodes decided incomplete on ``late``.
 
     Returns:
-        ``{"episodes", "pending", "incomplete", "dead_letters", "clock"}``; ``clock``
+        ``{"episodes", "pending", "incomplete", "late", "dead_letters", "clock"}``; ``clock``
         is the run's event-time clock, one float (epoch seconds).
     """
 
     def __init__(self, *, incomplete_after_s: float = 3600.0, clock_floor_s: float = 0.0,
-                 already_emitted: Iterable[str] = ()) -> None:
+                 already_emitted: Iterable[str] = (), late: LateState | None = None,
+                 future_after_s: float = math.inf, keep_incomplete: bool = False) -> None:
         super().__init__()
         if incomplete_after_s < 0:
             raise ValueError(f"`incomplete_after_s` must be >= 0, got {incomplete_after_s}")
         self._after, self._floor = incomplete_after_s, clock_floor_s
         self._already = frozenset(already_emitted)
+        self._late, self._future_after, self._keep = late, future_after_s, keep_incomplete
 
     def expand(self, pcolls):
         inputs = pcolls if isinstance(pcolls, dict) else {"frames": pcolls}
@@ -361,7 +435,8 @@ class AssembleEpisodesFromFrames(beam.PTransform):
         assembled = (
             inputs["frames"]
             | "GroupByBucket" >> beam.GroupByKey()
-            | "AssembleFromFrames" >> AssembleFromFrames(already_emitted=self._already)
+            | "AssembleFromFrames" >> AssembleFromFrames(already_emitted=self._already, late=self._late,
+                                                         future_after_s=self._future_after)
         )
         clocks, undecided = [assembled[CLOCK_TAG]], [assembled[UNDECIDED_TAG]]
         if "clock" in inputs:
@@ -373,13 +448,16 @@ class AssembleEpisodesFromFrames(beam.PTransform):
             clocks, undecided = clocks[0], undecided[0]
         clock = clocks | "Clock" >> beam.CombineGlobally(lambda ts: max([floor, *ts]))
         decided = undecided | "Decide" >> beam.ParDo(
-            _DecideFn(self._after), clock_s=beam.pvalue.AsSingleton(clock)
-        ).with_output_types(Episode).with_outputs(PENDING_TAG, INCOMPLETE_TAG, main="episodes")
+            _DecideFn(self._after, future_after_s=self._future_after, keep_events=self._keep),
+            clock_s=beam.pvalue.AsSingleton(clock)
+        ).with_output_types(Episode).with_outputs(PENDING_TAG, INCOMPLETE_TAG, LATE_TAG, main="episodes")
+        late = [assembled[LATE_TAG], decided[LATE_TAG], *([inputs["late"]] if "late" in inputs else [])]
         # Undecided episodes never turn out complete (completeness ignores the clock).
         return {
             "episodes": assembled.episodes,
             PENDING_TAG: decided[PENDING_TAG],
             INCOMPLETE_TAG: decided[INCOMPLETE_TAG],
+            LATE_TAG: tuple(late) | "AllLate" >> beam.Flatten(),
             DEAD_LETTER_TAG: assembled[DEAD_LETTER_TAG],
             CLOCK_TAG: clock,
         }

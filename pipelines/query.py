@@ -6,6 +6,8 @@ Views (each only if its directory exists):
 * ``steps`` / ``trajectories`` — the datasets, every recipe version
   (``recipe`` and ``domain`` come from the hive partition keys).
 * ``dataset_dead_letters`` — messages the trajectory job quarantined.
+* ``late_events`` — events that came after their episode was written as
+  incomplete (archive event schema plus ``late_reason``; pipelines/late.py).
 
 Only committed files are read: the archive's are listed from its manifests;
 the datasets' final files only ever appear after their commit (atomic rename).
@@ -56,7 +58,7 @@ def register_views(
             created.append("events")
     if data is not None:
         for name, sub in (("steps", "steps"), ("trajectories", "trajectories"),
-                          ("dataset_dead_letters", "dead_letters")):
+                          ("dataset_dead_letters", "dead_letters"), ("late_events", "late_events")):
             root = Path(data) / sub
             if any(root.glob("**/*.parquet")):
                 glob = str(root / "**" / "*.parquet").replace("'", "''")

@@ -42,6 +42,7 @@ from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
 from pipelines.gcpause import gc_paused
+from pipelines.late import LateEpisode, write_late_files
 from pipelines.groups import (
     DEFAULT_GROUP_TIMEOUT_S,
     CommitGroups,
@@ -151,7 +152,7 @@ def trajectory_row(episode: Episode, recipe: Recipe, *, disagreements: int | Non
         group_size=episode.group_size, group_member=episode.group_member, group_members=episode.group_members,
         group_timed_out=episode.group_timed_out, policy_lineage=episode.policy_lineage,
         verifier_summary=fin.verifier_summary if fin is not None else "", verifier_disagreements=disagreements,
-        completed_late=False,
+        completed_late=episode.completed_late,
         steps_passed=sum(step_passed(vs) for vs in episode.verdicts) if complete else 0,
         first_event_time=episode.first_event_time, last_event_time=episode.last_event_time,
     )
@@ -660,6 +661,10 @@ def _write_dead_letters(letters: list[DeadLetter], staging: str, version: str, c
     yield rel
 
 
+def _write_late(items: list[LateEpisode], staging: str, version: str, commit: int) -> list[str]:
+    return write_late_files(items, staging, version=version, commit=commit, suffix=STAGED_SUFFIX)
+
+
 def _write_pending(fragments: list[tuple[str, list]], staging: str) -> Iterator[str]:
     if not fragments:
         return
@@ -691,6 +696,7 @@ def stage_files(
     episodes: Sequence[Episode] = (),
     pending: Sequence[tuple[str, list]] = (),
     dead_letters: Sequence[DeadLetter] = (),
+    late: Sequence[LateEpisode] = (),
     prior: Mapping[str, RunningStats] | None = None,
     held: HeldState | None = None,
     clock_s: float = 0.0,
@@ -712,6 +718,7 @@ def stage_files(
         episodes: complete (rewarded, clipped, not normalized) and incomplete episodes.
         pending: ``(episode_id, events)`` of open episodes.
         dead_letters: this commit's dead letters.
+        late: this commit's late events and events to keep (pipelines/late.py).
         prior: persisted statistics; released rows are normalized with ``prior ⊕`` the released groups'.
         held: the held state of the last commit; None: this commit decides no groups
             (it must then have no complete episodes, e.g. the streaming job's pending-state commit).
@@ -754,6 +761,7 @@ def stage_files(
     files += _write_incomplete(incomplete, str(staging), recipe.version, commit)
     files += _write_dead_letters(list(dead_letters), str(staging), recipe.version, commit)
     files += _write_pending(list(pending), str(staging))
+    files += _write_late(list(late), str(staging), recipe.version, commit)
     return StagedCommit(files=files, counts=counts)
 
 
@@ -763,9 +771,11 @@ class WriteDatasets(beam.PTransform):
     Input: a dict of PCollections — ``episodes`` (complete, rewarded and
     clipped; or a tuple of such PCollections, branches of one job),
     ``incomplete`` (Episodes with ``complete=False``), ``pending``
-    (``(episode_id, events)``), ``dead_letters`` (DeadLetter) and ``clock``
-    (one float: the run's event-time clock, epoch seconds; default 0). The
-    run's statistics come from the staged parts themselves.
+    (``(episode_id, events)``), ``dead_letters`` (DeadLetter), ``late``
+    (:class:`~pipelines.late.LateEpisode`: the late-events table and the late
+    state; optional) and ``clock`` (one float: the run's event-time clock,
+    epoch seconds; default 0). The run's statistics come from the staged
+    parts themselves.
 
     Complete episodes become rows where they are (each bundle writes its
     rows, un-normalized, as Arrow *part* files under ``<staging>/_parts/``,
@@ -868,4 +878,11 @@ class WriteDatasets(beam.PTransform):
             | "CollectPending" >> beam.combiners.ToList().without_defaults()
             | "WritePending" >> beam.FlatMap(_write_pending, staging)
         )
-        return (data_files, incomplete_files, dead_files, pending_files, state_files) | "StagedFiles" >> beam.Flatten()
+        outputs = [data_files, incomplete_files, dead_files, pending_files, state_files]
+        if "late" in pcolls:
+            outputs.append(
+                pcolls["late"]
+                | "CollectLate" >> beam.combiners.ToList().without_defaults()
+                | "WriteLate" >> beam.FlatMap(_write_late, staging, version, commit)
+            )
+        return tuple(outputs) | "StagedFiles" >> beam.Flatten()

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -208,8 +209,9 @@ class _ReadRangeFn(_FetchDoFnBase):
 class _StreamWatermarks:
     """Watermark policy of one partition (see :class:`ReadKafkaStream`)."""
 
-    def __init__(self, *, idle_watermark_lag_s: float) -> None:
+    def __init__(self, *, idle_watermark_lag_s: float, max_future_s: float = math.inf) -> None:
         self.idle_watermark_lag_s = idle_watermark_lag_s
+        self.max_future_s = max_future_s
 
     @staticmethod
     def current(estimator: ManualWatermarkEstimator) -> Timestamp:
@@ -217,8 +219,13 @@ class _StreamWatermarks:
         return wm if wm is not None else MIN_TIMESTAMP
 
     def batch_timestamp(self, estimator: ManualWatermarkEstimator, batch: RawRecords) -> Timestamp:
-        # Running max of the record timestamps: never behind the watermark, so never late.
-        return max(Timestamp(micros=max(batch.timestamps_ms) * 1000), self.current(estimator))
+        # Running max of the record timestamps: never behind the watermark, so never late. A record
+        # stamped further ahead of the wall clock than max_future_s (a producer's clock running fast)
+        # counts as that much ahead only: it must not pull every idle timer of the job forward.
+        ts = Timestamp(micros=max(batch.timestamps_ms) * 1000)
+        if math.isfinite(self.max_future_s):
+            ts = min(ts, Timestamp.now() + Duration(seconds=self.max_future_s))
+        return max(ts, self.current(estimator))
 
     def advance_idle(self, estimator: ManualWatermarkEstimator) -> None:
         # Caught up with the partition: nothing older than the clock minus the lag is expected.
@@ -423,6 +430,10 @@ class ReadKafkaStream(beam.PTransform):
         defer_s: resume delay asked of the runner after an idle poll.
         idle_watermark_lag_s: how far behind processing time a caught-up partition's
             watermark stays; allow for producer clock skew and records in flight.
+        max_future_s: a record timestamp more than this ahead of the wall clock
+            stamps its batch at wall clock + ``max_future_s`` (its own timestamp
+            stays in ``timestamps_ms``): one producer's fast clock cannot move the
+            watermark hours ahead.
         stop_offsets: stop each partition once it reaches this offset (exclusive);
             partitions not named stop at once. For tests and catch-up jobs.
         stop_after_s: stop every partition this many seconds after the transform is
@@ -453,9 +464,12 @@ class ReadKafkaStream(beam.PTransform):
         partitions: Sequence[int] | None = None,
         fetch_max_bytes: int = 64 << 20,
         max_partition_fetch_bytes: int = 16 << 20,
+        max_future_s: float = math.inf,
     ) -> None:
         super().__init__()
         _check_batching(batch_size, poll_timeout_ms)
+        if max_future_s < 0:
+            raise ValueError(f"`max_future_s` must be >= 0, got {max_future_s}")
         if max_read_s <= 0:
             raise ValueError(f"`max_read_s` must be > 0, got {max_read_s}")
         for name, value in (("defer_s", defer_s), ("idle_watermark_lag_s", idle_watermark_lag_s)):
@@ -475,7 +489,7 @@ class ReadKafkaStream(beam.PTransform):
         self.slices: list[_Slice] = [(topic, p, start_offsets.get(p, 0), sys.maxsize, 0) for p in parts]
         self._fn_kwargs = dict(
             batch_size=batch_size, max_wait_ms=poll_timeout_ms, max_read_s=max_read_s, defer_s=defer_s,
-            watermarks=_StreamWatermarks(idle_watermark_lag_s=idle_watermark_lag_s),
+            watermarks=_StreamWatermarks(idle_watermark_lag_s=idle_watermark_lag_s, max_future_s=max_future_s),
             stop_offsets=stop_offsets, stop_at=time.time() + stop_after_s if stop_after_s else None,
             max_partition_fetch_bytes=min(fetch_max_bytes, max_partition_fetch_bytes),
         )

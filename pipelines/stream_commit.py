@@ -6,7 +6,8 @@ of a pane's elements are grouped on one constant key (one writer per window
 pane), and that writer runs the protocol of :mod:`pipelines.commit` under the
 version's commit lock::
 
-    recover → drop episodes already committed or held (by episode_id, over all manifests)
+    recover → drop episodes already committed or held (by episode_id, over all manifests; an episode
+              committed as incomplete may still be committed complete, ``completed_late``)
     → decide GRPO groups (held state of the last commit ⊕ this pane's episodes)
     → normalize (persisted statistics ⊕ the released groups') → stage files and the new held state
     → manifest (commit point: files, Kafka offsets covered, window, pane) → renames
@@ -27,7 +28,9 @@ side input would freeze that state at job start. The functions are the batch
 writer's (:func:`pipelines.sinks.stage_files`: :func:`pipelines.groups.decide_commit`,
 :func:`pipelines.sinks.finalize_shard`); the held state is read under the
 commit lock (:func:`pipelines.commit.load_held_state`) and committed with each
-window commit. The clock of a pane's group timeouts is its manifest's
+window commit. Each commit also writes the pane's late events and the events
+it keeps for its incomplete episodes, and carries the late state
+(:func:`pipelines.commit.carry_late_state`). The clock of a pane's group timeouts is its manifest's
 ``clock_s`` (the latest event time committed). The end-of-stream
 pending-state commit decides no groups.
 
@@ -53,8 +56,9 @@ from pipelines.commit import (
     DatasetLayout,
     DatasetManifest,
     commit_lock,
+    carry_late_state,
     commit_staged,
-    committed_episode_ids,
+    committed_episodes,
     held_episode_ids,
     load_held_state,
     load_prior_norm,
@@ -62,6 +66,7 @@ from pipelines.commit import (
     recover,
 )
 from pipelines.groups import DEFAULT_GROUP_TIMEOUT_S
+from pipelines.late import DEFAULT_LATE_RETENTION_S
 from pipelines.recipes import Recipe
 from pipelines.sinks import STAGED_SUFFIX, stage_files
 from pipelines.types import METRICS_NAMESPACE, RawRecords
@@ -69,7 +74,7 @@ from pipelines.types import METRICS_NAMESPACE, RawRecords
 __all__ = ["CommitWindows", "CommitPending", "batch_offsets", "merge_offsets"]
 
 #: Keys of a window pane's grouped elements.
-_PARTS = ("episodes", "incomplete", "dead_letters", "offsets")
+_PARTS = ("episodes", "incomplete", "dead_letters", "late", "offsets")
 
 
 def batch_offsets(batch: RawRecords) -> tuple[int, int, int, int]:
@@ -90,11 +95,13 @@ class _CommitPaneFn(beam.DoFn):
     """All elements of one window pane (or the end-of-stream pending state) → one dataset commit."""
 
     def __init__(self, out: str, recipe: Recipe, *, topic: str, shards: int,
-                 group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> None:
+                 group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+                 late_retention_s: float = DEFAULT_LATE_RETENTION_S) -> None:
         self._out, self._recipe, self._topic, self._shards = out, recipe, topic, shards
-        self._timeout_s = group_timeout_s
+        self._timeout_s, self._retention_s = group_timeout_s, late_retention_s
         self._layout = DatasetLayout(out=out, version=recipe.version, recipe_hash=recipe.content_hash)
-        self._committed: set[str] = set()
+        self._complete: set[str] = set()  # episode ids committed complete
+        self._incomplete: set[str] = set()  # ... and committed as incomplete
         self._manifests_seen = 0
         # Source batches of panes with nothing to commit (records of still-open episodes, or a
         # late pane of offsets alone): recorded with this writer's next commit.
@@ -105,8 +112,13 @@ class _CommitPaneFn(beam.DoFn):
 
     def _refresh(self, manifests: list[DatasetManifest]) -> None:
         # Other writers (other panes, earlier jobs) committed since we last looked.
-        self._committed |= committed_episode_ids(self._layout, manifests[self._manifests_seen:])
+        self._add(manifests[self._manifests_seen:])
         self._manifests_seen = len(manifests)
+
+    def _add(self, manifests: list[DatasetManifest]) -> None:
+        new = committed_episodes(self._layout, manifests)
+        self._complete |= new.complete
+        self._incomplete |= new.incomplete
 
     def process(self, element: tuple[Any, dict[str, Iterable[Any]]], win=beam.DoFn.WindowParam,
                 pane=beam.DoFn.PaneInfoParam) -> Iterator[int]:
@@ -122,15 +134,19 @@ class _CommitPaneFn(beam.DoFn):
             self._refresh(manifests)
             is_window = isinstance(win, window.IntervalWindow)
             held = load_held_state(layout, manifests)
-            done = self._committed | held_episode_ids(held)  # held rows were emitted too
-            fresh = lambda eps: sorted((e for e in eps if e.episode_id not in done),  # noqa: E731
-                                       key=lambda e: e.episode_id)
+            emitted = self._complete | held_episode_ids(held)  # held rows were emitted too
+            seen = emitted | self._incomplete
             got = {k: list(parts.get(k, ())) for k in (*_PARTS, "pending")}
-            complete, incomplete = fresh(got["episodes"]), fresh(got["incomplete"])
+            # Complete rows once per episode (a late completion follows its incomplete row); incomplete ones once.
+            complete = sorted((e for e in got["episodes"] if e.episode_id not in emitted), key=lambda e: e.episode_id)
+            incomplete = sorted((e for e in got["incomplete"] if e.episode_id not in seen), key=lambda e: e.episode_id)
             self._replayed.inc(len(got["episodes"]) + len(got["incomplete"]) - len(complete) - len(incomplete))
-            pending = [f for f in got["pending"] if f[0] not in done]
+            pending = [f for f in got["pending"] if f[0] not in seen]
             dead = got["dead_letters"]
-            if not (complete or incomplete or pending or dead):
+            # Events kept for an incomplete episode go with its row; a completion's late events with its row.
+            late = [i for i in got["late"] if not (i.reason is None and i.episode_id in seen)
+                    and not (i.reason == "completed" and i.episode_id in emitted)]
+            if not (complete or incomplete or pending or dead or late):
                 self._carried += got["offsets"]  # only open episodes' records, or a replayed pane
                 return None
             offsets, self._carried = self._carried + got["offsets"], []
@@ -139,19 +155,22 @@ class _CommitPaneFn(beam.DoFn):
             times = [e.last_event_time.timestamp() for e in complete + incomplete]
             clock_s = max([manifests[-1].clock_s if manifests else 0.0, *times])
             staged = stage_files(layout.staging(n), recipe, commit=n, episodes=complete + incomplete,
-                                 pending=pending, dead_letters=dead, prior=prior.stats,
+                                 pending=pending, dead_letters=dead, late=late, prior=prior.stats,
                                  held=held if is_window else None, clock_s=clock_s,
                                  group_timeout_s=self._timeout_s, shards=self._shards)
             # Steps written: this pane's released groups plus the held members released with them.
             steps = sum(pq.ParquetFile(layout.staging(n) / (f + STAGED_SUFFIX)).metadata.num_rows
                         for f in staged.files if f.startswith("steps/"))
+            fresh = [e for e in complete if not e.completed_late]
             counts = {
-                "events_in": sum(r[3] for r in offsets), "episodes": len(complete), "steps": steps,
+                "events_in": sum(r[3] for r in offsets), "episodes": len(fresh), "steps": steps,
                 "dead_letters": len(dead), "incomplete_episodes": len(incomplete), "pending_episodes": len(pending),
-                "events_used": sum(e.num_events for e in complete),
+                "events_used": sum(e.num_events for e in fresh),
                 "events_incomplete": sum(e.num_events for e in incomplete),
                 "events_pending_out": sum(len(f[1]) for f in pending),
                 "episodes_excluded": sum(not e.trainable for e in complete),
+                "late_events": sum(len(i.late) for i in late),
+                "episodes_completed_late": len(complete) - len(fresh),
                 **staged.counts,
             }
             for k, c in self._groups.items():
@@ -163,9 +182,11 @@ class _CommitPaneFn(beam.DoFn):
                 window=[float(win.start), float(win.end)] if is_window else None,
                 pane=f"{PaneInfoTiming.to_string(pane.timing)}/{pane.index}",
                 clock_s=clock_s,
+                late_state=carry_late_state(layout, manifests[-1] if manifests else None, layout.staging(n),
+                                            clock_s=clock_s, retention_s=self._retention_s, drop=emitted),
             )
             written = commit_staged(layout, manifest, prior_norm=prior)
-            self._committed |= committed_episode_ids(layout, [written])  # held episodes are not in it
+            self._add([written])  # held episodes are not in it
             self._manifests_seen = n
         self._commits.inc()  # steps are counted in the manifests (run_stream sums them)
         return n
@@ -180,7 +201,8 @@ class CommitWindows(beam.PTransform):
 
     Input: a dict of PCollections — ``episodes`` (complete, rewarded and
     clipped, not yet normalized), ``incomplete`` (Episodes), ``dead_letters``
-    (DeadLetter) and ``offsets`` (:func:`batch_offsets` of every source batch).
+    (DeadLetter), ``late`` (:class:`~pipelines.late.LateEpisode`) and
+    ``offsets`` (:func:`batch_offsets` of every source batch).
 
     Args:
         out: the dataset root (a filesystem every worker shares).
@@ -191,6 +213,7 @@ class CommitWindows(beam.PTransform):
             get a (late) commit.
         shards: files per (table, domain) per commit.
         group_timeout_s: event-time seconds a GRPO group waits for missing members.
+        late_retention_s: event-time seconds the late state keeps an incomplete episode's events.
 
     Returns:
         PCollection of the commit numbers made.
@@ -198,14 +221,15 @@ class CommitWindows(beam.PTransform):
 
     def __init__(self, out: str | Path, recipe: Recipe, *, topic: str, window_s: float = 10.0,
                  allowed_lateness_s: float = 3600.0, shards: int = 1,
-                 group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> None:
+                 group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+                 late_retention_s: float = DEFAULT_LATE_RETENTION_S) -> None:
         super().__init__()
         if window_s <= 0 or allowed_lateness_s < 0 or shards < 1 or group_timeout_s < 0:
             raise ValueError("`window_s` must be > 0, `allowed_lateness_s` and `group_timeout_s` >= 0 and "
                              "`shards` >= 1")
         self._out, self._recipe, self._topic = str(out), recipe, topic
         self._window_s, self._lateness_s, self._shards = window_s, allowed_lateness_s, shards
-        self._timeout_s = group_timeout_s
+        self._timeout_s, self._retention_s = group_timeout_s, late_retention_s
 
     def expand(self, pcolls: dict[str, beam.PCollection]):
         windowed = {}
@@ -224,7 +248,8 @@ class CommitWindows(beam.PTransform):
             windowed
             | "GroupPane" >> beam.CoGroupByKey()
             | "CommitPane" >> beam.ParDo(_CommitPaneFn(self._out, self._recipe, topic=self._topic,
-                                                       shards=self._shards, group_timeout_s=self._timeout_s))
+                                                       shards=self._shards, group_timeout_s=self._timeout_s,
+                                                       late_retention_s=self._retention_s))
         )
 
 
@@ -236,9 +261,11 @@ class CommitPending(beam.PTransform):
     the next run of the streaming job feeds back into the assembler.
     """
 
-    def __init__(self, out: str | Path, recipe: Recipe, *, topic: str) -> None:
+    def __init__(self, out: str | Path, recipe: Recipe, *, topic: str,
+                 late_retention_s: float = DEFAULT_LATE_RETENTION_S) -> None:
         super().__init__()
         self._out, self._recipe, self._topic = str(out), recipe, topic
+        self._retention_s = late_retention_s
 
     def expand(self, pending: beam.PCollection):
         return (
@@ -249,5 +276,6 @@ class CommitPending(beam.PTransform):
             | "Key" >> beam.Map(lambda f: (0, f))
             | "GroupAll" >> beam.GroupByKey()
             | "AsParts" >> beam.MapTuple(lambda k, fs: (k, {"pending": list(fs)}))
-            | "CommitPending" >> beam.ParDo(_CommitPaneFn(self._out, self._recipe, topic=self._topic, shards=1))
+            | "CommitPending" >> beam.ParDo(_CommitPaneFn(self._out, self._recipe, topic=self._topic, shards=1,
+                                                          late_retention_s=self._retention_s))
         )

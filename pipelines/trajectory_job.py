@@ -36,13 +36,23 @@ they have, or for ``--group-timeout`` seconds of event time (pipelines/groups.py
     python -m pipelines.trajectory_job --source kafka --bootstrap 127.0.0.1:9092 --out data/datasets \
         --recipe grpo.yaml --group-timeout 600 --loop 60
 
+Events of an episode a commit wrote as incomplete are *late*: kept events of
+such episodes (``--late-retention`` seconds of event time, default 7 days) are
+completed by them when they can (pipelines/late.py); event times more than
+``--max-future-s`` (default 300) ahead of the processing time are *future*:
+counted, used, never on the event-time clock::
+
+    python -m pipelines.trajectory_job --source archive --archive data/archive --out data/datasets \
+        --incomplete-after 600 --late-retention 86400 --max-future-s 120
+
 The last line printed is one JSON object of counts (stream mode adds
 ``commits``), which reconcile as
 ``events_in + events_pending_in == events_used + events_incomplete
-+ events_pending_out + dead_letters + duplicates`` (held groups are events
++ events_pending_out + dead_letters + duplicates + late_events`` (held groups are events
 already used, held as rows: ``groups_held``/``episodes_held`` are what is held
 after the run, ``groups_released`` what it wrote, ``episodes_excluded`` the
-complete episodes it found untrainable).
+complete episodes it found untrainable; ``episodes_completed_late`` and
+``future_events`` are outside the sum).
 """
 
 from __future__ import annotations
@@ -62,16 +72,19 @@ from apache_beam.options.pipeline_options import PipelineOptions, StandardOption
 
 from pipelines.archive_source import FRAMES_TAG, ArchiveFile, ReadArchiveEpisodes, list_archive_files, split_episode_ids
 from pipelines.assemble import EVENT_TIME_METRIC, INCOMPLETE_TAG, PENDING_TAG
+from pipelines.late import DEFAULT_LATE_RETENTION_S, LATE_TAG
 from pipelines.clip import ClipTrajectories
 from pipelines.commit import (
     DatasetLayout,
     DatasetManifest,
+    carry_late_state,
     commit_staged,
-    committed_episode_ids,
+    committed_episodes,
     covered_offsets,
     held_episode_ids,
     latest_pending_file,
     load_held_state,
+    load_late_state,
     load_prior_norm,
     read_manifests,
     recover,
@@ -94,7 +107,7 @@ from pipelines.verify import VerifySteps
 from schemas.events import Event
 from streams.config import KafkaConnection, Topics
 
-__all__ = ["run", "run_batch", "run_stream", "JobError", "COUNT_KEYS"]
+__all__ = ["run", "run_batch", "run_stream", "processing_time_s", "JobError", "COUNT_KEYS", "DEFAULT_MAX_FUTURE_S"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -104,6 +117,7 @@ COUNT_KEYS = (
     "events_used", "events_incomplete", "events_pending_in", "events_pending_out",
     "incomplete_episodes", "pending_episodes",
     "groups_released", "groups_held", "groups_timed_out", "episodes_held", "episodes_excluded",
+    "late_events", "episodes_completed_late", "future_events",
 )
 _METRIC_FOR = {
     "events_in": "events_in", "episodes": "episodes_complete", "steps": "steps_written",
@@ -112,8 +126,11 @@ _METRIC_FOR = {
     "events_pending_out": "events_pending_out", "incomplete_episodes": "episodes_incomplete",
     "pending_episodes": "episodes_pending", "groups_released": "groups_released", "groups_held": "groups_held",
     "groups_timed_out": "groups_timed_out", "episodes_held": "episodes_held",
-    "episodes_excluded": "episodes_excluded",
+    "episodes_excluded": "episodes_excluded", "late_events": "late_events",
+    "episodes_completed_late": "episodes_completed_late", "future_events": "future_events",
 }
+#: Seconds an event time may run ahead of the processing time before it is *future* (``--max-future-s``).
+DEFAULT_MAX_FUTURE_S = 300.0
 
 
 class JobError(ValueError):
@@ -137,6 +154,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--group-timeout", type=float, default=DEFAULT_GROUP_TIMEOUT_S, metavar="SECONDS",
                         help="event-time seconds a GRPO group whose members have not all arrived is held before it "
                              "is written with the members it has")
+    parser.add_argument("--late-retention", type=float, default=DEFAULT_LATE_RETENTION_S, metavar="SECONDS",
+                        help="event-time seconds after its last event that an incomplete episode's events are kept, "
+                             "so late events can complete it (0: keep none)")
+    parser.add_argument("--max-future-s", type=float, default=DEFAULT_MAX_FUTURE_S, metavar="SECONDS",
+                        help="event times more than this ahead of the processing time are future: counted "
+                             "(future_events) and used, never on the event-time clock")
     parser.add_argument("--no-domain-verifiers", action="store_true",
                         help="do not re-run rollout.verifiers (keep the rollout-time verdicts and the generic checks)")
     stream = parser.add_argument_group("--mode stream")
@@ -176,6 +199,9 @@ def _check(args: argparse.Namespace) -> None:
     if args.group_timeout < 0:
         raise JobError(f"`--group-timeout` must be >= 0 seconds (0 writes incomplete groups at once), "
                        f"got {args.group_timeout}")
+    if args.late_retention < 0 or args.max_future_s < 0:
+        raise JobError(f"`--late-retention` ({args.late_retention}) and `--max-future-s` ({args.max_future_s}) "
+                       "must be >= 0 seconds")
 
 
 def _options(args: argparse.Namespace, beam_args: list[str]) -> PipelineOptions:
@@ -221,6 +247,8 @@ def run_batch(
     incomplete_after_s: float = 3600.0,
     shards: int = 1,
     group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+    late_retention_s: float = DEFAULT_LATE_RETENTION_S,
+    max_future_s: float = DEFAULT_MAX_FUTURE_S,
     use_domain_verifiers: bool = True,
     crash_at: str | None = None,
 ) -> dict[str, int]:
@@ -238,6 +266,10 @@ def run_batch(
         incomplete_after_s: idle event time before an unfinished episode is incomplete.
         shards: files per (table, domain) per commit.
         group_timeout_s: event-time seconds a GRPO group waits for missing members (pipelines/groups.py).
+        late_retention_s: event-time seconds an incomplete episode's events are kept for late events
+            (pipelines/late.py; 0: none).
+        max_future_s: event times more than this ahead of the processing time
+            (:func:`processing_time_s`) are future: counted, used, never on the clock.
         use_domain_verifiers: run ``rollout.verifiers`` in VerifySteps.
         crash_at: commit test hook (see :func:`pipelines.commit.commit_staged`).
 
@@ -285,20 +317,27 @@ def run_batch(
     _LOG.info("commit %d of %s: %s input, pending=%s, %d groups held", commit, recipe.version, source,
               pending_path, len(held.groups.held))
 
+    # Held episodes were emitted too (as held rows): their events, seen again, are duplicates. Events of
+    # episodes written only as incomplete are late (pipelines/late.py).
+    committed = committed_episodes(layout, manifests)
+    emitted = committed.complete | held_episode_ids(held)
+    clock_s = last.clock_s if last else 0.0
+    late = load_late_state(layout, manifests, emitted=emitted, incomplete=committed.incomplete, clock_s=clock_s,
+                           retention_s=late_retention_s)
+    future_after_s = processing_time_s(source, files=files, raw_records=raw_records) + max_future_s
     runner = _make_runner(runner_name)
     p = beam.Pipeline(runner=runner, options=options or PipelineOptions([]))
     # Events cross the one shuffle as their raw frames (pipelines/frames.py), grouped in hash buckets of
     # episodes (a few elements per batch, not one per episode), decoded once, after it.
     # Archive files hold most episodes whole: those are assembled where the file is read, no shuffle.
     local = None
-    # Held episodes were emitted too (as held rows): their events, seen again, are duplicates.
-    committed = committed_episode_ids(layout, manifests) | held_episode_ids(held)
     if source == "archive":
         pending_ids = _pending_ids(pending_path)
         split = split_episode_ids(files, also=pending_ids)
         buckets = shuffle_buckets(len(split) * 16)  # only episodes spread over files take the shuffle
         read = p | "ReadArchive" >> ReadArchiveEpisodes(
-            archive, files=files, split=split, already_emitted=committed, buckets=buckets)
+            archive, files=files, split=split, already_emitted=emitted, buckets=buckets, late=late,
+            future_after_s=future_after_s)
         local, frames = read, read[FRAMES_TAG]
     else:
         if source == "kafka":
@@ -318,10 +357,10 @@ def run_batch(
         frames = (frames, pending_in) | "AllFrames" >> beam.Flatten()
     to_assemble = {"frames": frames}
     if local is not None:
-        to_assemble.update(clock=local[CLOCK_TAG], undecided=local[UNDECIDED_TAG])
+        to_assemble.update(clock=local[CLOCK_TAG], undecided=local[UNDECIDED_TAG], late=local[LATE_TAG])
     assembled = to_assemble | "AssembleEpisodes" >> AssembleEpisodesFromFrames(
-        incomplete_after_s=incomplete_after_s, clock_floor_s=last.clock_s if last else 0.0,
-        already_emitted=committed,
+        incomplete_after_s=incomplete_after_s, clock_floor_s=clock_s, already_emitted=emitted, late=late,
+        future_after_s=future_after_s, keep_incomplete=late_retention_s > 0,
     )
     # One chain per branch: a Flatten of Episodes would encode and decode every one of them.
     branches = [assembled["episodes"]] + ([local.episodes] if local is not None else [])
@@ -335,15 +374,37 @@ def run_batch(
     _ = {
         "episodes": episodes, "incomplete": assembled[INCOMPLETE_TAG],
         "pending": assembled[PENDING_TAG], "dead_letters": dead, "clock": assembled[CLOCK_TAG],
+        "late": assembled[LATE_TAG],
     } | "WriteDatasets" >> WriteDatasets(staging, recipe, commit=commit, shards=shards, prior=prior.stats,
                                          held=held, group_timeout_s=group_timeout_s)
     result = p.run()
     result.wait_until_finish()
     counts, clock_ms = _counts(result)
     manifest.counts = counts
-    manifest.clock_s = max(last.clock_s if last else 0.0, clock_ms / 1000.0)
+    manifest.clock_s = max(clock_s, clock_ms / 1000.0)
+    manifest.late_state = carry_late_state(layout, last, staging, clock_s=manifest.clock_s,
+                                           retention_s=late_retention_s, drop=emitted)
     commit_staged(layout, manifest, prior_norm=prior, crash_at=crash_at)
     return counts
+
+
+def processing_time_s(source: str, *, files: Sequence[ArchiveFile] = (),
+                      raw_records: Sequence[RawRecords] | None = None) -> float:
+    """The processing time a batch run judges event times against (epoch seconds; see ``--max-future-s``).
+
+    The wall clock at job start, or earlier when the input says when it was
+    written: an archive, the newest of its commits read (``created_at``);
+    in-memory records, their newest Kafka timestamp. (A Kafka run takes the
+    wall clock: producers stamp records with their own clock by default, the
+    one that may be wrong.) Every event read was produced before it.
+    """
+    now = time.time()
+    if source == "archive" and files:
+        return min(now, max(f.created_s for f in files))
+    if source == "raw" and raw_records:
+        newest_ms = max((max(r.timestamps_ms) for r in raw_records if len(r)), default=0)
+        return min(now, newest_ms / 1000.0) if newest_ms > 0 else now
+    return now
 
 
 class ProcessEpisodes(beam.PTransform):
@@ -374,7 +435,10 @@ def _pending_ids(path: str | None) -> list[str]:
 
 
 class _SkipCommittedFn(beam.DoFn):
-    """Drop fragments of episodes an earlier run committed (replayed input); they count as duplicates."""
+    """Drop fragments of episodes an earlier run emitted complete or holds (replayed input): duplicates.
+
+    Fragments of episodes written only as incomplete go on: their events are late (the assembler's job).
+    """
 
     def __init__(self, committed: frozenset[str]) -> None:
         self._committed = committed
@@ -425,6 +489,8 @@ def run_stream(
     stop_offsets: dict[int, int] | None = None,
     shards: int = 1,
     group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+    late_retention_s: float = DEFAULT_LATE_RETENTION_S,
+    max_future_s: float = DEFAULT_MAX_FUTURE_S,
     use_domain_verifiers: bool = True,
 ) -> dict[str, int]:
     """The streaming job: follow the topic, commit one dataset commit per event-time window pane.
@@ -452,6 +518,9 @@ def run_stream(
         stop_offsets: stop each partition at this offset (tests); partitions not named stop at once.
         shards: files per (table, domain) per commit.
         group_timeout_s: event-time seconds a GRPO group waits for missing members.
+        late_retention_s: event-time seconds an incomplete episode's events are kept for late events.
+        max_future_s: a record time or event time more than this ahead of the wall clock is future:
+            counted (``future_events``); a record time is clamped to it before it can move a watermark.
         use_domain_verifiers: run ``rollout.verifiers`` in VerifySteps.
 
     Returns:
@@ -467,38 +536,44 @@ def run_stream(
     manifests = read_manifests(layout)
     topic = kafka["topic"]
     start = covered_offsets(manifests, topic)
-    committed = committed_episode_ids(layout, manifests) | held_episode_ids(load_held_state(layout, manifests))
-    pending = _load_pending(latest_pending_file(layout, manifests), committed)
+    committed = committed_episodes(layout, manifests)
+    held_ids = held_episode_ids(load_held_state(layout, manifests))
+    emitted = committed.complete | held_ids
+    late = load_late_state(layout, manifests, emitted=emitted, incomplete=committed.incomplete,
+                           clock_s=manifests[-1].clock_s if manifests else 0.0, retention_s=late_retention_s)
+    pending = _load_pending(latest_pending_file(layout, manifests), committed.all | held_ids)
     started = time.time()
     # A timer due after the stop (minus the idle lag) can only fire because the stream ended.
     end_of_input_s = started + stop_after_s - idle_watermark_lag_s if stop_after_s else None
-    _LOG.info("stream of %s from %s: start offsets %s, %d pending episodes, %d committed, recovered %s",
-              topic, recipe.version, start, len(pending), len(committed), fixed)
+    _LOG.info("stream of %s from %s: start offsets %s, %d pending episodes, %d committed, %d kept incomplete, "
+              "recovered %s", topic, recipe.version, start, len(pending), len(committed.all), len(late.stored), fixed)
 
     p = beam.Pipeline(options=options)
     batches = p | "ReadKafkaStream" >> ReadKafkaStream(
         kafka["conn"], topic, start_offsets=start, idle_watermark_lag_s=idle_watermark_lag_s,
-        stop_after_s=stop_after_s, stop_offsets=stop_offsets)
-    decoded = batches | "DecodeAndValidate" >> DecodeAndValidate()
+        stop_after_s=stop_after_s, stop_offsets=stop_offsets, max_future_s=max_future_s)
+    decoded = batches | "DecodeAndValidate" >> DecodeAndValidate(max_future_s=max_future_s)
     pending_in = (p | "PendingState" >> beam.Create(pending, reshuffle=False)
                   | "StampPending" >> beam.ParDo(_StampPendingFn(started)).with_output_types(Tuple[str, List[Event]]))
     assembled = (
         (decoded.fragments, pending_in)
         | "AllFragments" >> beam.Flatten()
-        | "SkipCommitted" >> beam.ParDo(_SkipCommittedFn(frozenset(committed))).with_output_types(
+        | "SkipCommitted" >> beam.ParDo(_SkipCommittedFn(frozenset(emitted))).with_output_types(
             Tuple[str, List[Event]])
         | "AssembleEpisodes" >> AssembleEpisodesStreaming(incomplete_after_s=incomplete_after_s,
-                                                         end_of_input_s=end_of_input_s)
+                                                         end_of_input_s=end_of_input_s, late=late,
+                                                         late_retention_s=late_retention_s)
     )
     episodes = assembled.episodes | "Process" >> ProcessEpisodes(recipe, use_domain_verifiers=use_domain_verifiers)
     dead = (decoded[DEAD_LETTER_TAG], assembled[DEAD_LETTER_TAG]) | "AllDeadLetters" >> beam.Flatten()
     _ = {
         "episodes": episodes, "incomplete": assembled[INCOMPLETE_TAG], "dead_letters": dead,
-        "offsets": batches | "BatchOffsets" >> beam.Map(batch_offsets),
+        "late": assembled[LATE_TAG], "offsets": batches | "BatchOffsets" >> beam.Map(batch_offsets),
     } | "CommitWindows" >> CommitWindows(out, recipe, topic=topic, window_s=window_s,
                                          allowed_lateness_s=allowed_lateness_s, shards=shards,
-                                         group_timeout_s=group_timeout_s)
-    _ = assembled[PENDING_TAG] | "CommitPending" >> CommitPending(out, recipe, topic=topic)
+                                         group_timeout_s=group_timeout_s, late_retention_s=late_retention_s)
+    _ = assembled[PENDING_TAG] | "CommitPending" >> CommitPending(out, recipe, topic=topic,
+                                                                  late_retention_s=late_retention_s)
     result = p.run()
     result.wait_until_finish()
     counts, _ = _counts(result)
@@ -560,6 +635,7 @@ def run(argv: Sequence[str] | None = None, *, conn: KafkaConnection | None = Non
             window_s=args.window_s, allowed_lateness_s=args.allowed_lateness_s,
             incomplete_after_s=args.incomplete_after, idle_watermark_lag_s=args.idle_watermark_lag_s,
             stop_after_s=args.stop_after_s, shards=args.shards, group_timeout_s=args.group_timeout,
+            late_retention_s=args.late_retention, max_future_s=args.max_future_s,
             use_domain_verifiers=not args.no_domain_verifiers,
         )
     total = dict.fromkeys(COUNT_KEYS, 0)
@@ -568,6 +644,7 @@ def run(argv: Sequence[str] | None = None, *, conn: KafkaConnection | None = Non
             out=args.out, recipe=recipe, source=args.source, options=_options(args, beam_args),
             runner_name=args.runner or "FnApiRunner", archive=args.archive, kafka=kafka,
             incomplete_after_s=args.incomplete_after, shards=args.shards, group_timeout_s=args.group_timeout,
+            late_retention_s=args.late_retention, max_future_s=args.max_future_s,
             use_domain_verifiers=not args.no_domain_verifiers,
         )
         # Held counts are a state, not a flow: the loop's total is the last micro-batch's.

@@ -115,6 +115,8 @@ class Episode(msgspec.Struct, kw_only=True, gc=False):
         complete: True when ``seq`` runs 0..last without gaps, starts with
             ``episode_started`` and ends with ``episode_finished``.
         incomplete_reason: one of :data:`INCOMPLETE_REASONS` when not complete.
+        completed_late: complete, assembled from events an earlier commit kept when it
+            wrote the episode as incomplete plus late events (pipelines/late.py).
         rewards: per-step reward ``r_t`` (set by ComputeProcessRewards), shape ``[len(steps)]``.
         returns: per-step return-to-go ``G_t``.
         advantages: per-step advantage ``A_t`` before normalization.
@@ -149,6 +151,7 @@ class Episode(msgspec.Struct, kw_only=True, gc=False):
     last_event_time: datetime
     complete: bool
     incomplete_reason: str | None = None
+    completed_late: bool = False
     rewards: np.ndarray | None = None
     returns: np.ndarray | None = None
     advantages: np.ndarray | None = None

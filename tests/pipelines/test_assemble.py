@@ -1,4 +1,4 @@
-"""Batch assembly on frames (AssembleEpisodesFromFrames) and the streaming stateful twin."""
+"""Batch assembly on frames (AssembleEpisodesFromFrames) and the streaming stateful twin (late events too)."""
 
 import apache_beam as beam
 import msgspec
@@ -101,3 +101,134 @@ def test_bucketed_shuffle_assembles_the_same_episodes_as_one_bucket():
             dead = (read.dead_letters, out["dead_letters"]) | beam.Flatten()
             assert_that(dead | beam.Map(lambda d: (d.reason, d.source_offset)), equal_to([("truncated", 5)]),
                         label="dead")
+
+
+class _Bag:
+    def __init__(self) -> None:
+        self.items: list = []
+
+    def add(self, v) -> None:
+        self.items.append(v)
+
+    def read(self) -> list:
+        return list(self.items)
+
+    def clear(self) -> None:
+        self.items = []
+
+
+class _Value:
+    def __init__(self) -> None:
+        self.v = None
+
+    def read(self):
+        return self.v
+
+    def write(self, v) -> None:
+        self.v = v
+
+    def clear(self) -> None:
+        self.v = None
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.at = None
+
+    def set(self, ts) -> None:
+        self.at = ts
+
+
+class _Key:
+    """The state and timers of one key of the streaming assembler, driven by hand (a runner's order of calls)."""
+
+    def __init__(self, fn) -> None:
+        from apache_beam.utils.timestamp import Timestamp
+
+        self.fn, self.ts = fn, Timestamp
+        self.events, self.done, self.last = _Bag(), _Value(), _Value()
+        self.idle, self.retain = _Timer(), _Timer()
+
+    def element(self, fragment, at_s: float) -> list:
+        return list(self.fn.process(fragment, timestamp=self.ts.of(at_s), events_state=self.events,
+                                    done_state=self.done, last_state=self.last, idle=self.idle, retain=self.retain))
+
+    def fire_idle(self, key: str) -> list:
+        return list(self.fn.on_idle(fired=self.idle.at, events_state=self.events, done_state=self.done,
+                                    last_state=self.last, retain=self.retain, key=key))
+
+    def fire_retain(self) -> None:
+        self.fn.on_retain(events_state=self.events, done_state=self.done)
+
+
+def _outputs(outs: list) -> dict[str, list]:
+    by_tag: dict[str, list] = {}
+    for o in outs:
+        tag, value = (o.tag, o.value) if isinstance(o, beam.pvalue.TaggedOutput) else ("episodes", o)
+        by_tag.setdefault(tag, []).append(value)
+    return by_tag
+
+
+def test_streaming_late_events_complete_an_episode_emitted_incomplete():
+    """Emitted incomplete at its idle timer, the episode's tail then comes (with a copy of a kept event):
+    late output (not duplicates), and the episode again, complete with completed_late=True."""
+    from pipelines.assemble import _AssembleStatefulFn
+
+    (a,) = episodes(1, seed=13)
+    key = a[0].episode_id
+    fn = _AssembleStatefulFn(60.0, None, late_retention_s=3600.0)
+    fn.setup()
+    k = _Key(fn)
+    t0 = a[0].event_time.timestamp()
+    assert k.element((key, a[:-3]), t0) == [] and k.idle.at.micros == int((t0 + 60) * 1e6)
+    out = _outputs(k.fire_idle(key))
+    assert [e.incomplete_reason for e in out["incomplete"]] == ["unfinished"]
+    [kept] = out["late"]
+    assert (kept.reason, len(kept.store), kept.late) == (None, len(a) - 3, [])
+    out = _outputs(k.element((key, a[-3:] + a[:1]), t0 + 600))
+    [late] = out["late"]
+    assert (late.reason, [e.seq for e in late.late]) == ("completed", [e.seq for e in a[-3:]])
+    [ep] = out["episodes"]
+    assert (ep.complete, ep.completed_late, ep.num_events) == (True, True, len(a))
+    assert _outputs(k.element((key, a[-1:]), t0 + 700)) == {}  # complete now: a duplicate
+
+
+def test_streaming_late_events_after_the_retention_are_expired():
+    from pipelines.assemble import _AssembleStatefulFn
+
+    (a,) = episodes(1, seed=14)
+    key = a[0].episode_id
+    fn = _AssembleStatefulFn(60.0, None, late_retention_s=600.0)
+    fn.setup()
+    k = _Key(fn)
+    t0 = a[0].event_time.timestamp()
+    k.element((key, a[:-4]), t0)
+    k.fire_idle(key)
+    out = _outputs(k.element((key, a[-4:-2]), t0 + 100))  # within the retention, still unfinished: stored
+    assert [(i.reason, len(i.late), len(i.store)) for i in out["late"]] == [("stored", 2, len(a) - 2)]
+    assert k.retain.at.micros == int((t0 + 700) * 1e6)
+    k.fire_retain()
+    out = _outputs(k.element((key, a[-2:]), t0 + 800))
+    assert [(i.reason, len(i.late)) for i in out["late"]] == [("expired", 2)] and "episodes" not in out
+
+
+def test_streaming_restores_an_episode_an_earlier_run_wrote_incomplete(tmp_path):
+    """After a restart, an episode of ``late.incomplete`` is restored from the late-state file when its
+    key is first seen: a copy of a kept event is a duplicate, the tail completes it."""
+    import pyarrow.feather as feather
+
+    from pipelines.assemble import _AssembleStatefulFn
+    from pipelines.late import LateState, late_state_index
+    from schemas.arrow import events_to_table
+
+    (a,) = episodes(1, seed=15)
+    key = a[0].episode_id
+    path = str(tmp_path / "late.arrow")
+    feather.write_feather(events_to_table(a[:-2]), path, compression="uncompressed")
+    state = LateState(incomplete=frozenset({key}), stored=late_state_index([path]), files=(path,))
+    fn = _AssembleStatefulFn(60.0, None, late=state, late_retention_s=3600.0)
+    fn.setup()
+    k = _Key(fn)
+    out = _outputs(k.element((key, a[:1] + a[-2:]), a[-1].event_time.timestamp()))
+    assert [(i.reason, len(i.late)) for i in out["late"]] == [("completed", 2)]
+    assert [(e.completed_late, e.num_events) for e in out["episodes"]] == [(True, len(a))]
