@@ -326,7 +326,7 @@ class _AssembleStatefulFn(beam.DoFn):
         episode_id, fragment = element
         done = done_state.read()
         if done is None and episode_id in self._late.incomplete:  # an earlier run wrote it as incomplete
-            done = self._restore(episode_id, events_state, done_state, retain)
+            done = self._restore(episode_id, timestamp, events_state, done_state, retain)
         if done == _INCOMPLETE:
             yield from self._late_events(episode_id, fragment, timestamp, events_state, done_state, retain)
             return
@@ -349,14 +349,18 @@ class _AssembleStatefulFn(beam.DoFn):
         last_state.write(last)
         idle.set(Timestamp(micros=last) + Duration(seconds=self._after))
 
-    def _restore(self, episode_id: str, events_state, done_state, retain) -> str:
-        """State of an episode an earlier run wrote as incomplete: its kept events (if any), until the retention."""
+    def _restore(self, episode_id: str, timestamp: Timestamp, events_state, done_state, retain) -> str:
+        """State of an episode an earlier run wrote as incomplete: its kept events (if any), for the retention.
+
+        The late state was read within the retention (:func:`pipelines.commit.load_late_state`); from
+        here on, the retention counts from the element that brought the episode back (element time).
+        """
         kept = self._reader.events(episode_id)
         for ev in kept:
             events_state.add(ev)
         done_state.write(_INCOMPLETE)
         if kept:
-            retain.set(Timestamp.of(self._late.stored[episode_id].last_s + self._retention))
+            retain.set(timestamp + Duration(seconds=self._retention))
         return _INCOMPLETE
 
     def _late_events(self, episode_id: str, fragment: list[Event], timestamp: Timestamp, events_state, done_state,

@@ -40,3 +40,29 @@ def test_one_fragment_per_episode_per_batch():
         out = p | beam.Create([_batch(values, keys)]) | DecodeAndValidate()
         assert_that(out.fragments | beam.Map(lambda f: (f[0], len(f[1]))),
                     equal_to([(ep[0].episode_id, len(ep)) for ep in eps]))
+
+
+def test_future_event_times_and_record_times_are_counted_and_kept():
+    """An event more than max_future_s ahead of the wall clock (by its event_time, or by its record's Kafka
+    timestamp) is counted in pipeline/future_events and still goes to its fragment."""
+    import time
+    from datetime import datetime, timezone
+
+    import msgspec
+    from apache_beam.metrics.metric import MetricsFilter
+
+    ep = episodes(1, seed=5)[0]
+    shift = datetime.now(timezone.utc) - ep[0].event_time
+    evs = [msgspec.structs.replace(e, event_time=e.event_time + shift) for e in ep]  # now, on the producer's clock
+    evs[-1] = msgspec.structs.replace(evs[-1], event_time=evs[-1].event_time.replace(year=evs[-1].event_time.year + 1))
+    stamps = [int(time.time() * 1000)] * len(evs)
+    stamps[0] += 3600 * 1000  # a record stamped an hour ahead (CreateTime of a fast producer)
+    batch = RawRecords(topic="t", partition=0, offsets=list(range(len(evs))), keys=[e.episode_id.encode() for e in evs],
+                       values=[encode_event(e) for e in evs], timestamps_ms=stamps)
+    p = make_pipeline()
+    out = p | beam.Create([batch]) | DecodeAndValidate(max_future_s=300)
+    assert_that(out.fragments | beam.Map(lambda f: len(f[1])), equal_to([len(evs)]))
+    result = p.run()
+    result.wait_until_finish()
+    [counter] = result.metrics().query(MetricsFilter().with_name("future_events"))["counters"]
+    assert counter.committed == 2

@@ -256,3 +256,21 @@ def test_stream_tracker_grants_checkpoints_only():
     assert (primary.start, primary.stop, residual.start, residual.stop) == (10, 11, 11, sys.maxsize)
     bounded = _OffsetRangeProvider(unbounded=False).create_tracker(BeamRange(0, 100))
     assert bounded.try_split(0.5) is not None  # bounded ranges still split for parallelism
+
+
+def test_stream_batch_time_of_a_fast_producer_is_clamped():
+    """A record stamped hours ahead of the wall clock stamps its batch at wall clock + max_future_s only: one
+    producer's fast clock cannot pull every event-time timer of the job forward."""
+    from apache_beam.io.watermark_estimators import ManualWatermarkEstimator
+    from apache_beam.utils.timestamp import Timestamp
+
+    from pipelines.sources_kafka import _StreamWatermarks
+
+    now_ms = int(time.time() * 1000)
+    batch = RawRecords(topic="t", partition=0, offsets=[0, 1], keys=[b"a", b"b"], values=[b"x", b"y"],
+                       timestamps_ms=[now_ms - 1000, now_ms + 6 * 3600 * 1000])
+    estimator = ManualWatermarkEstimator(None)
+    clamped = _StreamWatermarks(idle_watermark_lag_s=1, max_future_s=300).batch_timestamp(estimator, batch)
+    assert Timestamp.of(now_ms / 1000 + 299) < clamped <= Timestamp.now() + 300
+    as_is = _StreamWatermarks(idle_watermark_lag_s=1).batch_timestamp(estimator, batch)
+    assert as_is == Timestamp(micros=(now_ms + 6 * 3600 * 1000) * 1000)

@@ -203,3 +203,43 @@ def test_no_late_state_when_retention_is_zero(tmp_path):
     write_archive(root, [flat(eps[1:]) + target[:-3], target[-3:]])
     c = _job(root, out, "--late-retention", "0")
     assert (c["late_events"], c["duplicates"], c["episodes_completed_late"]) == (3, 0, 0)  # expired, never dropped
+
+
+def test_many_late_state_files_are_merged_into_the_commits_own(tmp_path):
+    """More than LATE_STATE_MAX_FILES live files: the commit merges the live episodes (newest copy, within the
+    retention, not emitted since) into its own staged file and carries none; fewer are carried as they are."""
+    from pipelines.commit import LATE_STATE_MAX_FILES, DatasetManifest, carry_late_state
+    from pipelines.late import LATE_STATE_FILE, late_state_newest_s
+    from pipelines.sinks import STAGED_SUFFIX
+    from schemas.arrow import events_to_table
+
+    layout = _layout(tmp_path)
+    n_files = LATE_STATE_MAX_FILES + 2
+    eps = episodes(n_files + 1, seed=38)
+    files = {}
+    for n, ep in enumerate(eps[:n_files], start=1):
+        rel = layout.late_state_file(n)
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        feather.write_feather(events_to_table(ep[:-1]), tmp_path / rel, compression="uncompressed")
+        files[rel] = late_state_newest_s(tmp_path / rel)
+    last = DatasetManifest(commit=n_files, version=layout.version, recipe_hash="h", source="raw",
+                           late_state=files)
+    staging = tmp_path / "staging"
+    clock_s = max(files.values())
+    retention_s = clock_s - files[layout.late_state_file(3)]  # files 1 and 2 are past it
+    kept = {k: v for k, v in files.items() if k not in (layout.late_state_file(1), layout.late_state_file(2))}
+    assert carry_late_state(layout, last, staging, clock_s=clock_s, retention_s=retention_s) == kept  # 16 live
+    staged = staging / "state" / (LATE_STATE_FILE + STAGED_SUFFIX)
+    staged.parent.mkdir(parents=True)
+    # this commit keeps a new episode and a newer copy of episode 1 (one more event)
+    feather.write_feather(events_to_table(eps[-1][:-1] + eps[1]), staged, compression="uncompressed")
+    assert carry_late_state(layout, last, staging, clock_s=clock_s, retention_s=retention_s,  # 16 + its own
+                            drop={eps[5][0].episode_id}) == {}
+    merged = feather.read_table(staged)
+    rows = {}
+    for e, s in zip(merged.column("episode_id").to_pylist(), merged.column("seq").to_pylist()):
+        rows.setdefault(e, []).append(s)
+    want = {ep[0].episode_id: list(range(len(ep) - 1)) for k, ep in enumerate(eps[:n_files]) if k not in (0, 5)}
+    want[eps[1][0].episode_id] = list(range(len(eps[1])))  # the staged (newer) copy
+    want[eps[-1][0].episode_id] = list(range(len(eps[-1]) - 1))
+    assert rows == want and merged.column("episode_id").to_pylist() == sorted(merged.column("episode_id").to_pylist())

@@ -113,7 +113,8 @@ def test_stream_commits_while_producing_and_ends_exactly_once(kafka_broker, topi
     assert c["steps"] == steps
     assert c["events_in"] == sum(map(len, finished)) + len(unfinished)
     assert (c["episodes"], c["incomplete_episodes"], c["dead_letters"]) == (N, 1, 0)
-    assert c["events_in"] == c["events_used"] + c["events_incomplete"] + c["events_pending_out"] + c["duplicates"]
+    assert c["events_in"] == (c["events_used"] + c["events_incomplete"] + c["events_pending_out"] + c["duplicates"]
+                              + c["late_events"])
     # Window commits record the offsets they cover; a restart starts after the largest.
     manifests = _manifests(out)
     assert all(m.mode == "stream" and m.window and m.pane for m in manifests)
@@ -153,8 +154,68 @@ def test_stop_carries_open_episodes_and_restart_completes_them(kafka_broker, top
     assert (c2["episodes"], c2["events_pending_in"], c2["incomplete_episodes"]) == (6, 24, 0), c2
     for c in (c1, c2):
         assert (c["events_in"] + c["events_pending_in"] == c["events_used"] + c["events_incomplete"]
-                + c["events_pending_out"] + c["dead_letters"] + c["duplicates"]), c
+                + c["events_pending_out"] + c["dead_letters"] + c["duplicates"] + c["late_events"]), c
     rows = duckdb.connect().sql(f"select episode_id, complete from "
                                 f"read_parquet('{out}/trajectories/**/*.parquet', hive_partitioning=true)").fetchall()
     assert sorted(rows) == sorted((ep[0].episode_id, True) for ep in eps)
+    print(f"run 1 {c1}\nrun 2 {c2}")
+
+
+def test_late_tails_complete_incomplete_episodes_in_the_stream_and_after_a_restart(kafka_broker, topic_name,
+                                                                                    tmp_path):
+    """Episodes a and b go idle without their tails and are committed incomplete. a's tail comes while the
+    stream runs: its events are late (not duplicates) and a is committed complete with completed_late=True
+    (its held group released whole). b's tail comes after a stop: the restart restores b's kept events from
+    the late state and completes it the same way; a's tail sent again is a duplicate."""
+    conn = KafkaConnection(bootstrap_servers=kafka_broker.bootstrap, client_id="test-stream-late")
+    admin = KafkaAdminClient(**conn.client_kwargs())
+    try:
+        admin.create_topics([NewTopic(topic_name, 1, 1)])
+    finally:
+        admin.close()
+    eps = episodes(8, seed=47)  # two GRPO groups of 4
+    a, b = eps[0], eps[4]
+    out = tmp_path / "out"
+    args = ["--source", "kafka", "--bootstrap", kafka_broker.bootstrap, "--topic", topic_name, "--out", str(out),
+            "--mode", "stream", "--window-s", "2", "--incomplete-after", "3", "--idle-watermark-lag-s", "1"]
+    _produce_now(conn, topic_name, [ev for ep in eps if ep not in (a, b) for ev in ep] + a[:-3] + b[:-3],
+                 tmp_path / "spool")
+    sent: dict = {}
+
+    def send_a_tail_once_a_is_incomplete() -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if sum(m.counts.get("incomplete_episodes", 0) for m in _manifests(out)) >= 2:
+                _produce_now(conn, topic_name, a[-3:] + a[:1], tmp_path / "spool")
+                sent["at"] = time.monotonic()
+                return
+            time.sleep(0.2)
+
+    tail = threading.Thread(target=send_a_tail_once_a_is_incomplete, name="late-tail")
+    tail.start()
+    try:
+        c1 = run([*args, "--stop-after-s", "30"])
+    finally:
+        tail.join(timeout=30)
+    assert "at" in sent, "a and b were never committed incomplete"
+    assert (c1["incomplete_episodes"], c1["late_events"], c1["episodes_completed_late"]) == (2, 3, 1), c1
+    assert c1["duplicates"] == 1, c1  # the copy of a kept event
+    _produce_now(conn, topic_name, b[-3:] + a[-3:], tmp_path / "spool")
+    c2 = run([*args, "--stop-after-s", "10"])
+    assert (c2["late_events"], c2["episodes_completed_late"], c2["duplicates"]) == (3, 1, 3), c2
+    for c in (c1, c2):
+        assert (c["events_in"] + c["events_pending_in"] == c["events_used"] + c["events_incomplete"]
+                + c["events_pending_out"] + c["dead_letters"] + c["duplicates"] + c["late_events"]), c
+    sql = duckdb.connect()
+    rows = sql.sql(f"select episode_id, complete, completed_late from "
+                   f"read_parquet('{out}/trajectories/**/*.parquet', hive_partitioning=true)").fetchall()
+    late_ids = {a[0].episode_id, b[0].episode_id}
+    assert sorted(rows) == sorted([(ep[0].episode_id, True, ep[0].episode_id in late_ids) for ep in eps]
+                                  + [(i, False, False) for i in late_ids])
+    [(steps,)] = sql.sql(f"select count(*) from read_parquet('{out}/steps/**/*.parquet', hive_partitioning=true) "
+                         f"where episode_id in ('{a[0].episode_id}', '{b[0].episode_id}')").fetchall()
+    assert steps == a[-1].num_steps + b[-1].num_steps
+    reasons = sql.sql(f"select episode_id, late_reason, count(*) from read_parquet('{out}/late_events/**/*.parquet') "
+                      f"group by all order by all").fetchall()
+    assert reasons == sorted([(a[0].episode_id, "completed", 3), (b[0].episode_id, "completed", 3)])
     print(f"run 1 {c1}\nrun 2 {c2}")
