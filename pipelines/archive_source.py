@@ -43,7 +43,7 @@ from apache_beam.metrics import Metrics
 
 from pipelines.decode import validate_event
 from pipelines.gcpause import gc_paused
-from pipelines.late import LATE_TAG, LateState
+from pipelines.late import LateState
 from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE
 from schemas.arrow import ENVELOPE_FIELDS, archive_schema, payload_fields
 from schemas.deadletter import DeadLetter
@@ -343,7 +343,7 @@ class ReadArchiveEpisodes(beam.PTransform):
 
     Returns:
         A ``DoOutputsTuple``: ``episodes`` (complete :class:`~pipelines.types.Episode` s),
-        ``undecided``, ``clock``, ``late``, ``frames`` and ``dead_letters``. Counters as
+        ``undecided`` (with the outcomes of late events), ``clock``, ``frames`` and ``dead_letters``. Counters as
         ``pipeline/events_in``, ``pipeline/dead_letters``, ``pipeline/archive_files_read``,
         ``pipeline/episodes_assembled_locally``.
     """
@@ -367,6 +367,6 @@ class ReadArchiveEpisodes(beam.PTransform):
             | "Distribute" >> beam.Reshuffle()
             | "ReadAndAssemble" >> beam.ParDo(_ReadFileLocalFn(
                 self._split, self._already, self._buckets, late=self._late, future_after_s=self._future_after)
-            ).with_output_types(Episode).with_outputs(DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG, LATE_TAG, FRAMES_TAG,
+            ).with_output_types(Episode).with_outputs(DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG, FRAMES_TAG,
                                                       main="episodes")
         )

@@ -188,6 +188,8 @@ class _DecideFn(beam.DoFn):
 
     With ``keep_events``, an episode decided incomplete also leaves its events on
     ``late`` (a :class:`~pipelines.late.LateEpisode` to keep in the late state).
+    :class:`~pipelines.late.LateEpisode` elements (outcomes of late events,
+    :class:`pipelines.frames.EpisodeAssembler`) pass through to ``late``.
     """
 
     def __init__(self, incomplete_after_s: float, *, future_after_s: float = math.inf,
@@ -199,7 +201,10 @@ class _DecideFn(beam.DoFn):
                       "episodes_complete", "episodes_incomplete", "episodes_pending")
         }
 
-    def process(self, element: tuple[str, list[Event]], clock_s: float) -> Iterator[Any]:
+    def process(self, element: tuple[str, list[Event]] | LateEpisode, clock_s: float) -> Iterator[Any]:
+        if isinstance(element, LateEpisode):
+            yield beam.pvalue.TaggedOutput(LATE_TAG, element)
+            return
         episode_id, events = element
         decision, reason = decide(events, clock_s=clock_s, incomplete_after_s=self._after,
                                   future_after_s=self._future_after)

@@ -77,6 +77,9 @@ __all__ = [
     "CLOCK_TAG",
 ]
 
+#: Output of what waits for the run's decision step (:class:`pipelines.assemble._DecideFn`): unfinished
+#: episodes ``(episode_id, events)``, and :class:`~pipelines.late.LateEpisode` outcomes, which it passes on
+#: to ``late`` (one collector for the late files, behind the one step that also keeps new incomplete episodes).
 UNDECIDED_TAG = "undecided"
 CLOCK_TAG = "clock"
 
@@ -226,7 +229,7 @@ class EpisodeAssembler:
     holds it: all its events are duplicates); for an episode an earlier commit
     wrote as incomplete, the outcome of its late events
     (:func:`pipelines.assemble.resolve_late` against the kept events of
-    ``late``): :class:`~pipelines.late.LateEpisode` on ``late``, and the
+    ``late``): a :class:`~pipelines.late.LateEpisode` on ``undecided``, and the
     episode, complete with ``completed_late=True``, when they complete it.
     Otherwise ``seq_conflict`` dead letters; then the complete
     :class:`~pipelines.types.Episode` (main output) or ``(episode_id, unique
@@ -309,15 +312,15 @@ class EpisodeAssembler:
             return
         self._c["late_events"].inc(len(res.late))
         if not kept:
-            yield beam.pvalue.TaggedOutput(LATE_TAG, LateEpisode(episode_id=episode_id, reason="expired",
+            yield beam.pvalue.TaggedOutput(UNDECIDED_TAG, LateEpisode(episode_id=episode_id, reason="expired",
                                                                  late=res.late))
         elif res.complete:
             self._c["episodes_completed_late"].inc()
-            yield beam.pvalue.TaggedOutput(LATE_TAG, LateEpisode(episode_id=episode_id, reason="completed",
+            yield beam.pvalue.TaggedOutput(UNDECIDED_TAG, LateEpisode(episode_id=episode_id, reason="completed",
                                                                  late=res.late))
             yield assemble_episode(episode_id, res.events, complete=True, reason=None, completed_late=True)
         else:
-            yield beam.pvalue.TaggedOutput(LATE_TAG, LateEpisode(episode_id=episode_id, reason="stored", late=res.late,
+            yield beam.pvalue.TaggedOutput(UNDECIDED_TAG, LateEpisode(episode_id=episode_id, reason="stored", late=res.late,
                                                                  store=res.events))
 
 
@@ -367,9 +370,10 @@ class AssembleFromFrames(beam.PTransform):
     Decodes and validates each frame (decode errors and semantic problems →
     ``dead_letters`` with the record's topic/partition/offset), drops whole
     episodes in ``already_emitted`` as duplicates, resolves the events of
-    episodes in ``late.incomplete`` against their kept events (``late``, and
-    the episodes they complete), dedupes by ``event_id``
-    (``seq_conflict`` → ``dead_letters``), and emits complete episodes as
+    episodes in ``late.incomplete`` against their kept events (a
+    :class:`~pipelines.late.LateEpisode` on ``undecided``, and the episodes
+    they complete), dedupes by ``event_id`` (``seq_conflict`` →
+    ``dead_letters``), and emits complete episodes as
     :class:`~pipelines.types.Episode` on the main output; unfinished or gapped
     ones go to ``undecided`` as ``(episode_id, events)``. ``clock`` carries
     each bundle's latest event time (epoch seconds) that is not after
@@ -386,7 +390,7 @@ class AssembleFromFrames(beam.PTransform):
     def expand(self, grouped):
         return grouped | "DecodeAssemble" >> beam.ParDo(
             _AssembleFromFramesFn(self._already, self._max, late=self._late, future_after_s=self._future_after)
-        ).with_output_types(Episode).with_outputs(DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG, LATE_TAG,
+        ).with_output_types(Episode).with_outputs(DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG,
                                                   main="episodes")
 
 
@@ -399,12 +403,12 @@ class AssembleEpisodesFromFrames(beam.PTransform):
     ``future_after_s`` left out) with :func:`pipelines.assemble.decide`:
     ``pending`` while younger than ``incomplete_after_s``, then ``incomplete``
     (and, with ``keep_incomplete``, their events on ``late`` for the late state).
+    ``late`` also carries the outcomes of late events (:class:`EpisodeAssembler`).
 
     Input: the frames PCollection, or a dict with ``frames`` plus the outputs
     of a local assembly that skipped the shuffle
     (:class:`pipelines.archive_source.ReadArchiveEpisodes`): its
-    ``undecided``, ``clock`` and ``late`` join the decision, the clock and
-    the late output.
+    ``undecided`` and ``clock`` join the decision and the clock.
 
     Args:
         incomplete_after_s: idle event time before an unfinished episode is incomplete.
@@ -451,13 +455,12 @@ class AssembleEpisodesFromFrames(beam.PTransform):
             _DecideFn(self._after, future_after_s=self._future_after, keep_events=self._keep),
             clock_s=beam.pvalue.AsSingleton(clock)
         ).with_output_types(Episode).with_outputs(PENDING_TAG, INCOMPLETE_TAG, LATE_TAG, main="episodes")
-        late = [assembled[LATE_TAG], decided[LATE_TAG], *([inputs["late"]] if "late" in inputs else [])]
         # Undecided episodes never turn out complete (completeness ignores the clock).
         return {
             "episodes": assembled.episodes,
             PENDING_TAG: decided[PENDING_TAG],
             INCOMPLETE_TAG: decided[INCOMPLETE_TAG],
-            LATE_TAG: tuple(late) | "AllLate" >> beam.Flatten(),
+            LATE_TAG: decided[LATE_TAG],
             DEAD_LETTER_TAG: assembled[DEAD_LETTER_TAG],
             CLOCK_TAG: clock,
         }

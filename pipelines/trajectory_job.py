@@ -357,7 +357,7 @@ def run_batch(
         frames = (frames, pending_in) | "AllFrames" >> beam.Flatten()
     to_assemble = {"frames": frames}
     if local is not None:
-        to_assemble.update(clock=local[CLOCK_TAG], undecided=local[UNDECIDED_TAG], late=local[LATE_TAG])
+        to_assemble.update(clock=local[CLOCK_TAG], undecided=local[UNDECIDED_TAG])
     assembled = to_assemble | "AssembleEpisodes" >> AssembleEpisodesFromFrames(
         incomplete_after_s=incomplete_after_s, clock_floor_s=clock_s, already_emitted=emitted, late=late,
         future_after_s=future_after_s, keep_incomplete=late_retention_s > 0,
