@@ -12,7 +12,9 @@ its unit gets every step of an episode together.
 Rows of GRPO groups that are not whole yet are *held* (:mod:`pipelines.groups`):
 staged under ``state/held/`` (Arrow IPC, un-normalized), committed as state
 and fed back into the next commit's writer, which writes them with the rest
-of their group.
+of their group. Late events and the events kept for incomplete episodes are
+staged by :func:`pipelines.late.write_late_files` (``late_events/`` and
+``state/late.arrow``).
 
 Examples:
     >>> final_path("steps", version="outcome-1a2b3c4d", domain="math", commit=3, shard=0)

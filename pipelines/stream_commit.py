@@ -31,7 +31,8 @@ commit lock (:func:`pipelines.commit.load_held_state`) and committed with each
 window commit. Each commit also writes the pane's late events and the events
 it keeps for its incomplete episodes, and carries the late state
 (:func:`pipelines.commit.carry_late_state`). The clock of a pane's group timeouts is its manifest's
-``clock_s`` (the latest event time committed). The end-of-stream
+``clock_s`` (the latest event time committed, each at most ``max_future_s``
+ahead of the wall clock). The end-of-stream
 pending-state commit decides no groups.
 
 Examples:
@@ -41,6 +42,8 @@ Examples:
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -96,9 +99,9 @@ class _CommitPaneFn(beam.DoFn):
 
     def __init__(self, out: str, recipe: Recipe, *, topic: str, shards: int,
                  group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
-                 late_retention_s: float = DEFAULT_LATE_RETENTION_S) -> None:
+                 late_retention_s: float = DEFAULT_LATE_RETENTION_S, max_future_s: float = math.inf) -> None:
         self._out, self._recipe, self._topic, self._shards = out, recipe, topic, shards
-        self._timeout_s, self._retention_s = group_timeout_s, late_retention_s
+        self._timeout_s, self._retention_s, self._max_future_s = group_timeout_s, late_retention_s, max_future_s
         self._layout = DatasetLayout(out=out, version=recipe.version, recipe_hash=recipe.content_hash)
         self._complete: set[str] = set()  # episode ids committed complete
         self._incomplete: set[str] = set()  # ... and committed as incomplete
@@ -152,7 +155,10 @@ class _CommitPaneFn(beam.DoFn):
             offsets, self._carried = self._carried + got["offsets"], []
             n = len(manifests) + 1
             prior = load_prior_norm(layout)
-            times = [e.last_event_time.timestamp() for e in complete + incomplete]
+            # An event time further ahead of the wall clock than max_future_s (a fast producer) is not news of
+            # the clock: it would time out every held group and age the late state at once.
+            latest = time.time() + self._max_future_s
+            times = [min(e.last_event_time.timestamp(), latest) for e in complete + incomplete]
             clock_s = max([manifests[-1].clock_s if manifests else 0.0, *times])
             staged = stage_files(layout.staging(n), recipe, commit=n, episodes=complete + incomplete,
                                  pending=pending, dead_letters=dead, late=late, prior=prior.stats,
@@ -214,6 +220,8 @@ class CommitWindows(beam.PTransform):
         shards: files per (table, domain) per commit.
         group_timeout_s: event-time seconds a GRPO group waits for missing members.
         late_retention_s: event-time seconds the late state keeps an incomplete episode's events.
+        max_future_s: an episode's last event time counts on a commit's clock at most this far
+            ahead of the wall clock at the commit.
 
     Returns:
         PCollection of the commit numbers made.
@@ -222,14 +230,14 @@ class CommitWindows(beam.PTransform):
     def __init__(self, out: str | Path, recipe: Recipe, *, topic: str, window_s: float = 10.0,
                  allowed_lateness_s: float = 3600.0, shards: int = 1,
                  group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
-                 late_retention_s: float = DEFAULT_LATE_RETENTION_S) -> None:
+                 late_retention_s: float = DEFAULT_LATE_RETENTION_S, max_future_s: float = math.inf) -> None:
         super().__init__()
         if window_s <= 0 or allowed_lateness_s < 0 or shards < 1 or group_timeout_s < 0:
             raise ValueError("`window_s` must be > 0, `allowed_lateness_s` and `group_timeout_s` >= 0 and "
                              "`shards` >= 1")
         self._out, self._recipe, self._topic = str(out), recipe, topic
         self._window_s, self._lateness_s, self._shards = window_s, allowed_lateness_s, shards
-        self._timeout_s, self._retention_s = group_timeout_s, late_retention_s
+        self._timeout_s, self._retention_s, self._max_future_s = group_timeout_s, late_retention_s, max_future_s
 
     def expand(self, pcolls: dict[str, beam.PCollection]):
         windowed = {}
@@ -249,7 +257,8 @@ class CommitWindows(beam.PTransform):
             | "GroupPane" >> beam.CoGroupByKey()
             | "CommitPane" >> beam.ParDo(_CommitPaneFn(self._out, self._recipe, topic=self._topic,
                                                        shards=self._shards, group_timeout_s=self._timeout_s,
-                                                       late_retention_s=self._retention_s))
+                                                       late_retention_s=self._retention_s,
+                                                       max_future_s=self._max_future_s))
         )
 
 

@@ -571,7 +571,8 @@ def run_stream(
         "late": assembled[LATE_TAG], "offsets": batches | "BatchOffsets" >> beam.Map(batch_offsets),
     } | "CommitWindows" >> CommitWindows(out, recipe, topic=topic, window_s=window_s,
                                          allowed_lateness_s=allowed_lateness_s, shards=shards,
-                                         group_timeout_s=group_timeout_s, late_retention_s=late_retention_s)
+                                         group_timeout_s=group_timeout_s, late_retention_s=late_retention_s,
+                                         max_future_s=max_future_s)
     _ = assembled[PENDING_TAG] | "CommitPending" >> CommitPending(out, recipe, topic=topic,
                                                                   late_retention_s=late_retention_s)
     result = p.run()

@@ -20,7 +20,8 @@ N = 100
 
 def _reconciles(c: dict) -> bool:
     return (c["events_in"] + c["events_pending_in"]
-            == c["events_used"] + c["events_incomplete"] + c["events_pending_out"] + c["dead_letters"] + c["duplicates"])
+            == c["events_used"] + c["events_incomplete"] + c["events_pending_out"] + c["dead_letters"] + c["duplicates"]
+            + c["late_events"])
 
 
 def _files(out: Path) -> dict[str, bytes]:
