@@ -144,9 +144,11 @@ class PublishConfig(_Strict):
     store: str | None = Field(None, description="policy store (default <out>/policies)")
     bootstrap: str | None = Field(None, description="Kafka bootstrap; when set, emit policy_published")
     domain: str = Field("*", description="domain group the policy is for (event envelope)")
-    initial_version: int = Field(0, ge=0, description="version of the model we start from (0 = base)")
-    lineage: str | None = Field(None, description="lineage id of the versions this run publishes; default: a new "
-                                "random id at the first start, kept in the checkpoint (so --resume continues it)")
+    initial_version: int | None = Field(None, ge=0, description="version of the model we start from; default: "
+                                        "its policy.json version when --model is a published policy, else 0 (base)")
+    lineage: str | None = Field(None, description="lineage id of the versions this run publishes; default: the "
+                                "lineage of --model when it is a published policy (training continues its chain), "
+                                "else a new random id at the first start; kept in the checkpoint (--resume continues it)")
     at_end: bool = Field(True, description="also publish after the last step")
 
 

@@ -73,6 +73,14 @@ def test_cli_grpo_20_steps_publishes_a_loadable_policy(tiny_model, vocab_size, m
     model = AutoModelForCausalLM.from_pretrained(out / "policies" / "v2")
     tok = AutoTokenizer.from_pretrained(out / "policies" / "v2")
     assert model.config.vocab_size == vocab_size and tok("def add").input_ids
+    # Training from a published policy continues its chain: version 2 -> 3, same lineage.
+    res = CliRunner().invoke(app, ["train", "--data", str(data), "--model", str(out / "policies" / "v2"), "--out",
+                                   str(tmp_path / "next"), "--objective", "grpo", "--max-steps", "1",
+                                   "--config", str(tmp_path / "r.yaml")])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout.strip().splitlines()[-1])["policy_version"] == 3, res.output[-2000:]
+    nxt = read_policy(tmp_path / "next" / "policies" / "v3")
+    assert (nxt.parent_version, nxt.lineage) == (2, rec.lineage)
 
 
 def test_crash_and_resume_sees_exactly_the_same_samples(tiny_model, vocab_size, make_dataset, tmp_path):

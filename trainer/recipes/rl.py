@@ -92,8 +92,13 @@ class RLRecipe:
         self.skipped_steps = 0
         self.lineage = ""
         self._skip_epochs: dict[int, int] | None = None
-        self.policy_version = cfg.publish.initial_version
-        self.parent_version = cfg.publish.initial_version
+        # Training from a published policy continues its chain: its version and lineage (policy.json).
+        self._started_from = _published_record(cfg.model)
+        initial = cfg.publish.initial_version
+        if initial is None:
+            initial = int(self._started_from.get("version", 0))
+        self.policy_version = initial
+        self.parent_version = initial
         self._batches: Iterator[PackedBatch] | None = None
         self._last_published_step = -1
         self._last_checkpoint_step = -1
@@ -146,7 +151,8 @@ class RLRecipe:
         )
         self.loader = TrajectoryLoader(self.stream, pin_memory=self.device.type == "cuda",
                                        prefetch_factor=d.prefetch_factor)
-        self.lineage = self._gather(cfg.publish.lineage or uuid.uuid4().hex[:16])[0]  # rank 0's
+        self.lineage = self._gather(cfg.publish.lineage or self._started_from.get("lineage")
+                                    or uuid.uuid4().hex[:16])[0]  # rank 0's
         if cfg.resume:
             self._resume()
 
@@ -430,6 +436,17 @@ def run(cfg: TrainConfig, *, emit_event: Callable[[Event], None] | None = None,
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _published_record(model_dir: str) -> dict[str, Any]:
+    """``policy.json`` of a published policy directory (trainer/publish.py), or {} for a base model."""
+    path = Path(model_dir) / "policy.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); it is the record of the policy --model names") from err
 
 
 def _seed_everything(seed: int) -> None:
