@@ -118,6 +118,7 @@ class SchedulerConfig:
     breaker_threshold: int = 5
     breaker_cooldown_s: float = 30.0
     seed: int = 0
+    task_pool: int = 0
 
     def __post_init__(self) -> None:
         if not self.domain_weights:
@@ -129,6 +130,8 @@ class SchedulerConfig:
             raise ValueError(f"need 0 <= demote_at < promote_at <= 1, got {self.demote_at}, {self.promote_at}")
         if self.max_retries < 0 or self.breaker_threshold < 1 or self.min_attempts < 1:
             raise ValueError("`max_retries` must be >= 0, `breaker_threshold` and `min_attempts` >= 1")
+        if self.task_pool < 0:
+            raise ValueError(f"`task_pool` must be >= 0 (0: no pool), got {self.task_pool}")
         if not 0 < self.ema_alpha <= 1 or not 0 <= self.review_fraction < 1:
             raise ValueError("`ema_alpha` must be in (0, 1] and `review_fraction` in [0, 1)")
 
@@ -405,7 +408,8 @@ class TaskScheduler:
         level = st.level
         if level > 0 and self._rng.random() < self.config.review_fraction:
             level = self._rng.randrange(level)
-        task = self._factory(domain, level, st.next_index)
+        pool = self.config.task_pool
+        task = self._factory(domain, level, st.next_index % pool if pool else st.next_index)
         st.next_index += 1
         return self._issue(ScheduledTask(ticket=0, task=task, timeout_s=self.config.task_timeout_s), now)
 

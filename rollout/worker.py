@@ -187,15 +187,22 @@ class RolloutCounts(msgspec.Struct, kw_only=True):
                 "domains": {d: msgspec.to_builtins(c) for d, c in sorted(self.domains.items())}}
 
 
-def make_scheduler(domains: list[str], *, seed: int = 0, adaptive: bool = True) -> TaskScheduler:
+def make_scheduler(domains: list[str], *, seed: int = 0, adaptive: bool = True, task_pool: int = 0) -> TaskScheduler:
     """An in-memory scheduler over ``domains`` with equal base weights.
+
+    Args:
+        domains: the domains to draw from.
+        seed: seed of draws and task generation.
+        adaptive: weight toward domains whose pass rate is neither ~0 nor ~1.
+        task_pool: draw tasks from a fixed pool of this many per domain and level (0: always new ones).
 
     Raises:
         ValueError: ``domains`` is empty.
     """
     if not domains:
         raise ValueError("`domains` is empty; name at least one, e.g. code,math")
-    return TaskScheduler(SchedulerConfig(domain_weights={d: 1.0 for d in domains}, adaptive=adaptive, seed=seed))
+    return TaskScheduler(SchedulerConfig(domain_weights={d: 1.0 for d in domains}, adaptive=adaptive, seed=seed,
+                                         task_pool=task_pool))
 
 
 class _AbortablePolicy:

@@ -31,7 +31,7 @@ from trainer.data import StepFilter, TrajectoryLoader, TrajectoryStream
 from trainer.engine import load_model
 from trainer.losses import token_logprobs
 
-__all__ = ["LogprobAudit", "audit_behaviour_logprobs"]
+__all__ = ["LogprobAudit", "AdvantageLogprobs", "audit_behaviour_logprobs", "advantage_logprobs"]
 
 
 class LogprobAudit(msgspec.Struct, kw_only=True):
@@ -124,3 +124,51 @@ def _exact_tokens(batch) -> torch.Tensor:
     """Tokens of segments that give their actions the whole context the model saw."""
     exact = torch.tensor(batch.sample_exact + [False], dtype=torch.bool)  # index -1 (padding) -> False
     return exact[batch.segment_ids]
+
+
+class AdvantageLogprobs(msgspec.Struct, kw_only=True):
+    """Mean log-prob of a dataset's action tokens under some weights, by the sign of their advantage.
+
+    Attributes:
+        positive_tokens: action tokens of steps with advantage > 0.
+        positive_mean_logprob: their mean log-prob (sampling distribution of each step).
+        negative_tokens: action tokens of steps with advantage < 0.
+        negative_mean_logprob: their mean log-prob.
+    """
+
+    positive_tokens: int = 0
+    positive_mean_logprob: float = 0.0
+    negative_tokens: int = 0
+    negative_mean_logprob: float = 0.0
+
+
+@torch.no_grad()
+def advantage_logprobs(
+    data_dir: str | Path,
+    model_dir: str | Path,
+    *,
+    advantage_field: str = "group_advantage",
+    recipe: str | None = None,
+    seq_len: int = 4096,
+    batch_size: int = 2,
+) -> AdvantageLogprobs:
+    """How likely the weights at ``model_dir`` find the dataset's good and bad actions (trainable steps only).
+
+    A policy-gradient step on this data should raise the first mean and lower the second (what GRPO's
+    objective ``sum_i A_i log pi(o_i)`` rewards, DeepSeekMath arXiv:2402.03300 eq. 3).
+    """
+    stream = TrajectoryStream(data_dir, seq_len=seq_len, batch_size=batch_size, recipe=recipe, mode="offline",
+                              max_epochs=1, shuffle=False, advantage_field=advantage_field)
+    model = load_model(model_dir).eval()
+    pos: list[torch.Tensor] = []
+    neg: list[torch.Tensor] = []
+    for batch in TrajectoryLoader(stream):
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+        logp = token_logprobs(logits, batch.input_ids, temperature=batch.temperature, top_k=batch.top_k,
+                              top_p=batch.top_p, mask=batch.loss_mask)
+        pos.append(logp[batch.loss_mask & (batch.advantages > 0)])
+        neg.append(logp[batch.loss_mask & (batch.advantages < 0)])
+    p = torch.cat(pos) if pos else torch.zeros(0)
+    n = torch.cat(neg) if neg else torch.zeros(0)
+    return AdvantageLogprobs(positive_tokens=int(p.numel()), positive_mean_logprob=float(p.mean()) if p.numel() else 0.0,
+                             negative_tokens=int(n.numel()), negative_mean_logprob=float(n.mean()) if n.numel() else 0.0)

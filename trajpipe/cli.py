@@ -312,6 +312,8 @@ def rollout(
         help="model directory (hf, vllm; scripted: speak its tokenizer, so the demonstrations are trainable)")] = None,
     concurrency: Annotated[int, typer.Option(help="episodes in flight")] = 4,
     group_size: Annotated[int, typer.Option("--group-size", help="episodes per task run as one GRPO group")] = 1,
+    task_pool: Annotated[int, typer.Option("--task-pool", help="draw tasks from a fixed pool of N per domain and "
+                                                               "level (0: always new tasks)")] = 0,
     seed: Annotated[int, typer.Option(help="seed of task draws and sampling")] = 0,
     max_steps: Annotated[int, typer.Option("--max-steps", help="steps per episode")] = 16,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="new tokens per action (hf, vllm)")] = 64,
@@ -353,6 +355,8 @@ def rollout(
               f"`trajpipe model init-tiny --out {model}`")
     if group_size < 1:
         _fail(f"`--group-size` must be >= 1, got {group_size}")
+    if task_pool < 0:
+        _fail(f"`--task-pool` must be >= 0 (0: always new tasks), got {task_pool}")
     published = _published_policy(model)
     policy_version = policy_version if policy_version is not None else published.get("version", 0)
     policy_lineage = policy_lineage if policy_lineage is not None else published.get("lineage", "")
@@ -402,8 +406,8 @@ def rollout(
         worker = RolloutWorker(actor, emit=producer.emit,
                                config=RolloutConfig(episodes=episodes, concurrency=concurrency, max_steps=max_steps,
                                                     producer_id=producer_id, group_size=group_size),
-                               scheduler=make_scheduler(domain_list, seed=seed), follower=follower,
-                               on_episode=on_episode)
+                               scheduler=make_scheduler(domain_list, seed=seed, task_pool=task_pool),
+                               follower=follower, on_episode=on_episode)
         if follower is not None:
             follower.start()
         try:

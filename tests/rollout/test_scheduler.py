@@ -225,3 +225,12 @@ def test_groups_are_g_tickets_of_one_task_and_retries_run_alone(tmp_path):
     assert back[0].round == 3 and back[0].task.task_id == g0[0].task.task_id and len(back) == 1
     with pytest.raises(ValueError, match="group `size` must be >= 1"):
         s.next_group(0)
+
+
+def test_task_pool_repeats_a_fixed_set_of_tasks():
+    s = TaskScheduler(SchedulerConfig(domain_weights={"a": 1.0}, task_pool=2, min_attempts=10_000),
+                      task_factory=synthetic, clock=Clock(), autosave_every=0)
+    ids = [s.next_task().task.task_id for _ in range(6)]
+    assert ids == ["a-0-0", "a-0-1"] * 3
+    with pytest.raises(ValueError, match="task_pool"):
+        SchedulerConfig(domain_weights={"a": 1.0}, task_pool=-1)
