@@ -529,13 +529,16 @@ def pipeline_run(ctx: typer.Context) -> None:
 def demo(
     workdir: Annotated[Path, typer.Option(help="where the demo keeps its broker, data and runs (wiped first)")] = Path(
         ".trajpipe/demo"),
-    episodes: Annotated[int, typer.Option(help="scripted rollout episodes")] = 40,
-    synth_episodes: Annotated[int, typer.Option("--synth-episodes", help="extra synthetic episodes")] = 200,
-    train_steps: Annotated[int, typer.Option("--train-steps", help="trainer steps")] = 10,
+    episodes: Annotated[int, typer.Option(help="scripted rollout episodes over the four domains")] = 20,
+    group_size: Annotated[int, typer.Option("--group-size", help="GRPO group size of the policy's rollouts")] = 4,
+    groups: Annotated[int, typer.Option(help="groups of policy rollouts")] = 4,
 ) -> None:
-    """The whole loop on an embedded broker: rollouts -> archive -> Beam job -> query -> train -> publish -> rollout.
+    """The learning loop on an embedded broker, every step a real `trajpipe` command (printed, so it can be copied).
 
-    Every step is a real `trajpipe` command, printed before it runs, so each can be copied.
+    Scripted demonstrations in the tiny model's tokens (sandboxed domains) -> archive -> Beam job -> rebuild
+    with another reward recipe -> BC warm start (v1) -> v1's rollouts in GRPO groups -> Beam job (complete-group
+    advantages) -> query -> round-trip audit of v1's log-probs -> GRPO from v1, v2 published on the control
+    topic -> rollouts that load v2.
     """
     import shutil
     import socket
@@ -553,6 +556,7 @@ def demo(
     bootstrap = f"127.0.0.1:{port}"
     console = _stderr_console()
     env = {**__import__("os").environ, "TRAJPIPE_SPOOL_DIR": str(workdir / "spool")}
+    configs = Path(__file__).resolve().parents[1] / "trainer" / "configs"
     results: dict[str, dict] = {}
 
     def step(title: str, *args: str) -> dict:
@@ -569,17 +573,19 @@ def demo(
         except json.JSONDecodeError:
             return {}
 
-    data, archive, tiny, run_dir = workdir / "datasets", workdir / "archive", workdir / "tiny", workdir / "train"
+    data, archive, tiny = workdir / "datasets", workdir / "archive", workdir / "tiny"
+    v1, grpo_run = workdir / "bc" / "policies" / "v1", workdir / "grpo"
+    pool = ["--domains", "math", "--task-pool", "2", "--seed", "7"]
     step(f"1. embedded broker ({engine})", "broker", "start", "--engine", engine, "--port", str(port),
          "--data-dir", str(workdir / "broker"))
     try:
         results["model"] = step("2. tiny base model", "model", "init-tiny", "--out", str(tiny))
-        results["rollout"] = step("3. scripted rollouts in sandboxed environments", "rollout", "--bootstrap",
-                                  bootstrap, "--episodes", str(episodes), "--domains", "code,math,docqa,tools",
-                                  "--policy", "scripted", "--concurrency", "4")
-        results["synth"] = step("4. synthetic traffic", "synth", "--bootstrap", bootstrap, "--episodes",
-                                str(synth_episodes), "--seed", "1", "--vocab-size",
-                                str(results["model"].get("vocab_size", 32000)))
+        results["rollout"] = step("3. scripted rollouts in sandboxed environments, in the model's tokens", "rollout",
+                                  "--bootstrap", bootstrap, "--episodes", str(episodes), "--domains",
+                                  "code,math,docqa,tools", "--policy", "scripted", "--model", str(tiny),
+                                  "--concurrency", "4")
+        results["demos"] = step("4. demonstrations on a pool of two math tasks", "rollout", "--bootstrap", bootstrap,
+                                "--episodes", "20", "--policy", "scripted", "--model", str(tiny), *pool)
         results["archive"] = step("5. archive the event log", "archive", "--bootstrap", bootstrap, "--out",
                                   str(archive), "--until-end")
         results["pipeline"] = step("6. Beam trajectory job from Kafka (FnApiRunner)", "pipeline", "run", "--source",
@@ -587,31 +593,50 @@ def demo(
         results["rebuild"] = step("7. rebuild from the archive with another reward recipe", "pipeline", "run",
                                   "--source", "archive", "--archive", str(archive), "--out", str(data), "--recipe",
                                   "verification_shaped")
-        step("8. analyst query", "query", "--archive", str(archive), "--data", str(data),
-             "select recipe, domain, count(*) episodes, round(avg(outcome_reward), 3) reward, "
-             "round(avg(num_steps), 2) steps from trajectories group by recipe, domain order by recipe, domain")
         version = next((data / "_manifests").glob("outcome-*")).name
-        results["train"] = step("9. GRPO training with DeepSpeed, policy published", "train", "--data", str(data),
-                                "--recipe", version,
-                                "--model", str(tiny), "--out", str(run_dir), "--objective", "grpo", "--max-steps",
-                                str(train_steps), "--bootstrap", bootstrap)
-        published = sorted((run_dir / "policies").glob("v*"))
+        results["bc"] = step("8. warm start: behaviour cloning of the demonstrations (DeepSpeed)", "train",
+                             "--config", str(configs / "bc-warmstart.yaml"), "--data", str(data), "--recipe", version,
+                             "--model", str(tiny), "--out", str(workdir / "bc"))
+        results["groups"] = step(f"9. the warm policy v1 in GRPO groups of {group_size} (transformers)", "rollout",
+                                 "--bootstrap", bootstrap, "--policy", "hf", "--model", str(v1), "--group-size",
+                                 str(group_size), "--episodes", str(groups * group_size), "--max-steps", "8",
+                                 "--max-tokens", "24", "--temperature", "1.0", "--concurrency", "8",
+                                 "--no-follow-policies", *pool)
+        results["pipeline_groups"] = step("10. Beam job: the new micro-batch, advantages over complete groups",
+                                          "pipeline", "run", "--source", "kafka", "--bootstrap", bootstrap, "--out",
+                                          str(data))
+        step("11. analyst query: v1's groups", "query", "--data", str(data),
+             f"select task_group, list(group_member order by group_member) members, "
+             f"list(outcome_reward order by group_member) reward, "
+             f"list(round(group_advantage, 3) order by group_member) advantage from trajectories "
+             f"where recipe = '{version}' and policy_version = 1 group by task_group order by task_group")
+        results["audit"] = step("12. round trip: the trainer's data path gives back v1's behaviour log-probs",
+                                "audit", "logprobs", "--data", str(data), "--recipe", version, "--model", str(v1),
+                                "--seq-len", "2048")
+        results["train"] = step("13. GRPO from v1 on its groups (DeepSpeed), v2 published", "train", "--config",
+                                str(configs / "grpo-groups.yaml"), "--data", str(data), "--recipe", version,
+                                "--model", str(v1), "--out", str(grpo_run), "--bootstrap", bootstrap)
+        published = sorted((grpo_run / "policies").glob("v*"))
         if not published:
             _fail("the trainer published no policy")
         results["rollout_new_policy"] = step(
-            "10. rollouts with the published policy (transformers)", "rollout", "--bootstrap", bootstrap,
-            "--episodes", "4", "--policy", "hf", "--model", str(published[-1]), "--max-steps", "2",
-            "--max-tokens", "16")
+            "14. rollouts that follow the published policy (transformers)", "rollout", "--bootstrap", bootstrap,
+            "--episodes", "8", "--group-size", str(group_size), "--policy", "hf", "--model", str(v1), "--max-steps",
+            "8", "--max-tokens", "24", "--temperature", "1.0", *pool)
     finally:
-        step("11. stop the broker", "broker", "stop", "--data-dir", str(workdir / "broker"))
+        step("15. stop the broker", "broker", "stop", "--data-dir", str(workdir / "broker"))
     console.rule("[bold]summary")
-    console.print(f"archive: {archive}\ndatasets: {data}\npolicies: {run_dir / 'policies'}")
+    console.print(f"archive: {archive}\ndatasets: {data}\npolicies: {workdir / 'bc' / 'policies'}, "
+                  f"{grpo_run / 'policies'}")
     _print_counts({
         "rollout_episodes": results["rollout"].get("episodes"), "rollout_passed": results["rollout"].get("passed"),
         "events_archived": results["archive"].get("events"), "trajectories": results["pipeline"].get("episodes"),
-        "steps": results["pipeline"].get("steps"), "train_steps": results["train"].get("steps"),
-        "policy_version": results["train"].get("policy_version"),
+        "steps": results["pipeline"].get("steps"), "groups": results["pipeline_groups"].get("groups_released"),
+        "group_episodes_passed": results["groups"].get("passed"),
+        "behaviour_logprob_max_abs_err": results["audit"].get("max_abs_err"),
+        "train_steps": results["train"].get("steps"), "policy_version": results["train"].get("policy_version"),
         "episodes_with_new_policy": results["rollout_new_policy"].get("episodes"),
+        "new_policy_passed": results["rollout_new_policy"].get("passed"),
     })
 
 
