@@ -79,3 +79,28 @@ def test_fast_conversion_equals_the_checked_one(tmp_path, monkeypatch):
     monkeypatch.setattr(source, "_typed_as_archive", lambda schema: False)
     checked, _ = source.table_to_fragments(table)
     assert fast == checked and sorted(fast, key=lambda f: f[0]) == [(ep[0].episode_id, ep) for ep in eps]
+
+
+def test_an_archive_written_by_schema_v1_still_builds_datasets(tmp_path):
+    """Files of the first event model (no group, lineage, context-cut or termination fields) still read."""
+    import shutil
+    from pathlib import Path
+
+    import duckdb
+    import pyarrow.parquet as pq
+
+    from pipelines.recipes import load_recipe
+    from pipelines.trajectory_job import run_batch
+    from schemas.arrow import table_to_events
+
+    archive = tmp_path / "archive"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "fixtures" / "archive-schema-v1", archive)
+    events = [e for f in sorted(archive.glob("bucket=*/*.parquet")) for e in table_to_events(pq.read_table(f))]
+    assert len(events) == 90 and {e.schema_version for e in events} == {1}
+    assert {e.group_size for e in events if e.event_type == "episode_started"} == {0}  # defaults fill the gaps
+    counts = run_batch(out=tmp_path / "data", recipe=load_recipe("outcome"), source="archive", archive=archive)
+    assert counts["episodes"] == 8 and counts["dead_letters"] == 0 and counts["events_used"] == 90
+    rows = duckdb.sql(f"""select termination, trainable, group_size, policy_lineage, count(*)
+                          from read_parquet('{tmp_path}/data/trajectories/**/*.parquet', hive_partitioning=true)
+                          group by all""").fetchall()
+    assert rows == [("done", True, 0, "", 8)]  # termination derived from the status of v1 events
