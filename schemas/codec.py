@@ -188,7 +188,7 @@ def encode_event(event: Event, *, max_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> b
         >>> buf = encode_event(Feedback(event_id="f1", episode_id="ep1", seq=4, producer_id="ui",
         ...                             domain="code", task_id="t7", source="reviewer", rating=0.5))
         >>> buf[:2], peek_header(buf)
-        (b'TJ', ('feedback', 1))
+        (b'TJ', ('feedback', 2))
     """
     code = TYPE_CODES.get(type(event).event_type)
     if code is None or _CODE_TO_CLASS[code] is not type(event):
@@ -321,7 +321,7 @@ def kafka_headers(event: Event) -> list[tuple[str, bytes]]:
         >>> from schemas.events import PolicyPublished
         >>> kafka_headers(PolicyPublished(event_id="p", episode_id="policy-3", seq=0, producer_id="trainer",
         ...                               domain="*", task_id="-", version=3, location="/policies/3"))
-        [('trajpipe-schema', b'policy_published'), ('trajpipe-schema-version', b'1')]
+        [('trajpipe-schema', b'policy_published'), ('trajpipe-schema-version', b'2')]
     """
     return [
         ("trajpipe-schema", event.event_type.encode()),
