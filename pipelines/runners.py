@@ -34,7 +34,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.options.pipeline_options import DebugOptions, PipelineOptions
 
 from streams.config import ConfigError
 
@@ -49,6 +49,8 @@ __all__ = [
     "prism_location",
     "flink_job_server_jar",
     "runner_options",
+    "disable_runner_splits",
+    "PRISM_NO_SPLITS",
 ]
 
 #: Runners with defaults here; any other name is passed to Beam as is.
@@ -59,6 +61,8 @@ MODES = ("batch", "stream")
 BEAM_VERSION = "2.77.0"
 
 _BATCH_ONLY = ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner")
+#: Prism's experiment that turns off its runner-initiated bundle splits (:func:`disable_runner_splits`).
+PRISM_NO_SPLITS = "prism_disable_sdf_split"
 
 
 class RunnerConfigError(ConfigError):
@@ -177,3 +181,23 @@ def runner_options(runner: str, mode: str, extra: Sequence[str] = ()) -> Pipelin
     if mode == "stream" and not _given(extra, "--streaming"):
         args.append("--streaming")
     return PipelineOptions(args + list(extra))
+
+
+def disable_runner_splits(options: PipelineOptions) -> PipelineOptions:
+    """Turn off runner-initiated bundle splits, which lose the state of stateful DoFns on Prism; returns ``options``.
+
+    Prism (2.77) splits a bundle that reports no progress for two progress ticks (~0.2 s: routine on a
+    loaded machine) whatever its stage, a stateful DoFn's included, and frees the keys of the residual
+    while the primary still holds their uncommitted state. A second bundle of such a key then runs on a
+    stale copy of the key's state, and when both persist one overwrites the other (or both fire their
+    timers): events added to the state are lost. Splits are off for the whole job (the experiment is
+    per job); splittable DoFns still checkpoint themselves (``defer_remainder``). Other runners ignore
+    the experiment. Adds it to ``options`` in place (idempotent).
+
+    Examples:
+        >>> opts = disable_runner_splits(PipelineOptions(["--experiments=other"]))
+        >>> opts.view_as(DebugOptions).experiments
+        ['other', 'prism_disable_sdf_split']
+    """
+    options.view_as(DebugOptions).add_experiment(PRISM_NO_SPLITS)
+    return options

@@ -509,7 +509,8 @@ def run_stream(
         out: dataset root.
         recipe: the reward recipe.
         kafka: ``{"conn": KafkaConnection, "topic": str}``.
-        options: Beam options with ``streaming`` set (:func:`pipelines.runners.runner_options`).
+        options: Beam options with ``streaming`` set (:func:`pipelines.runners.runner_options`); runner
+            splits are turned off in them (:func:`pipelines.runners.disable_runner_splits`).
         window_s: event-time window per commit, seconds.
         allowed_lateness_s: late elements this long after a window's end still get a late commit.
         incomplete_after_s: idle event time before an unfinished episode is emitted as incomplete.
@@ -528,9 +529,13 @@ def run_stream(
         and ``episodes_held`` from this run's manifests) plus ``commits``.
     """
     from pipelines.assemble import AssembleEpisodesStreaming
+    from pipelines.runners import disable_runner_splits
     from pipelines.sources_kafka import ReadKafkaStream
     from pipelines.stream_commit import CommitPending, CommitWindows, batch_offsets
 
+    # The assembler keeps each episode's events in keyed state: a runner split of its bundles loses some
+    # on Prism (a finished episode goes out incomplete, its group stays held, the counts do not reconcile).
+    disable_runner_splits(options)
     layout = DatasetLayout(out=str(out), version=recipe.version, recipe_hash=recipe.content_hash)
     fixed = recover(layout)
     manifests = read_manifests(layout)
