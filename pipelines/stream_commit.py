@@ -17,8 +17,10 @@ source's Kafka record time), triggered when the watermark passes the end of
 the window and again for every late element (``AfterWatermark(late=AfterCount(1))``,
 discarding fired panes) for ``allowed_lateness_s``, so a batch the runner
 delivers after its window fired lands in a later commit instead of being
-dropped. Elements later than that are dropped by the runner (counted nowhere);
-keep ``allowed_lateness_s`` well above the source's read lag.
+dropped. Elements later than that are dropped by the runner: the job counts
+their events as ``events_uncommitted`` (outcomes the assembler counted that no
+commit holds, :func:`pipelines.trajectory_job.run_stream`); keep
+``allowed_lateness_s`` well above the source's read lag.
 
 Normalization and GRPO groups are done here, not with side inputs: the
 persisted statistics and the held groups change with every commit of the

@@ -385,6 +385,7 @@ def run_batch(
     manifest.late_state = carry_late_state(layout, last, staging, clock_s=manifest.clock_s,
                                            retention_s=late_retention_s, drop=emitted)
     commit_staged(layout, manifest, prior_norm=prior, crash_at=crash_at)
+    _check_accounted(counts)
     return counts
 
 
@@ -526,7 +527,9 @@ def run_stream(
 
     Returns:
         The job's counts (keys :data:`COUNT_KEYS`: from the pipeline's metrics; ``steps``, ``groups_held``
-        and ``episodes_held`` from this run's manifests) plus ``commits``.
+        and ``episodes_held`` from this run's manifests) plus ``commits`` and ``events_uncommitted``: events
+        the assembler counted in an outcome that none of this run's commits holds (0 unless the runner
+        dropped them on the way, e.g. later than ``allowed_lateness_s`` at the window commit; logged).
     """
     from pipelines.assemble import AssembleEpisodesStreaming
     from pipelines.runners import disable_runner_splits
@@ -592,7 +595,25 @@ def run_stream(
     for key in ("groups_held", "episodes_held"):
         counts[key] = deciding[-1].counts.get(key, 0) if deciding else 0
     counts["commits"] = len(ours)
+    # An outcome's events are written by a commit, unless the runner dropped them between the assembler and
+    # the window commit (later than allowed_lateness_s): counted, not silent.
+    outcomes = ("events_used", "events_incomplete", "events_pending_out", "late_events", "dead_letters")
+    counts["events_uncommitted"] = sum(counts[k] - sum(m.counts.get(k, 0) for m in ours) for k in outcomes)
+    if counts["events_uncommitted"]:
+        _LOG.error("%d events the assembler counted are in no commit of this run (dropped by the runner later "
+                   "than --allowed-lateness-s %s?): %s", counts["events_uncommitted"], allowed_lateness_s,
+                   json.dumps(counts))
+    _check_accounted(counts)
     return counts
+
+
+def _check_accounted(counts: dict[str, int]) -> None:
+    """Log an error when the counts do not reconcile (events read that no outcome counted, or counted twice)."""
+    outcomes = ("events_used", "events_incomplete", "events_pending_out", "dead_letters", "duplicates", "late_events")
+    gap = counts["events_in"] + counts["events_pending_in"] - sum(counts[k] for k in outcomes)
+    if gap:
+        _LOG.error("the counts do not reconcile: %+d events read are in no outcome (lost, or counted twice if "
+                   "negative) between the source and the assembler: %s", gap, json.dumps(counts))
 
 
 def _counts(result) -> tuple[dict[str, int], int]:

@@ -113,8 +113,9 @@ def test_stream_commits_while_producing_and_ends_exactly_once(kafka_broker, topi
     assert c["steps"] == steps
     assert c["events_in"] == sum(map(len, finished)) + len(unfinished)
     assert (c["episodes"], c["incomplete_episodes"], c["dead_letters"]) == (N, 1, 0)
-    assert c["events_in"] == (c["events_used"] + c["events_incomplete"] + c["events_pending_out"] + c["duplicates"]
-                              + c["late_events"])
+    assert (c["events_in"] + c["events_pending_in"] == c["events_used"] + c["events_incomplete"]
+            + c["events_pending_out"] + c["dead_letters"] + c["duplicates"] + c["late_events"])
+    assert c["events_uncommitted"] == 0  # every event an outcome counted is in a commit
     # Window commits record the offsets they cover; a restart starts after the largest.
     manifests = _manifests(out)
     assert all(m.mode == "stream" and m.window and m.pane for m in manifests)
@@ -155,6 +156,7 @@ def test_stop_carries_open_episodes_and_restart_completes_them(kafka_broker, top
     for c in (c1, c2):
         assert (c["events_in"] + c["events_pending_in"] == c["events_used"] + c["events_incomplete"]
                 + c["events_pending_out"] + c["dead_letters"] + c["duplicates"] + c["late_events"]), c
+        assert c["events_uncommitted"] == 0, c
     rows = duckdb.connect().sql(f"select episode_id, complete from "
                                 f"read_parquet('{out}/trajectories/**/*.parquet', hive_partitioning=true)").fetchall()
     assert sorted(rows) == sorted((ep[0].episode_id, True) for ep in eps)
@@ -206,6 +208,7 @@ def test_late_tails_complete_incomplete_episodes_in_the_stream_and_after_a_resta
     for c in (c1, c2):
         assert (c["events_in"] + c["events_pending_in"] == c["events_used"] + c["events_incomplete"]
                 + c["events_pending_out"] + c["dead_letters"] + c["duplicates"] + c["late_events"]), c
+        assert c["events_uncommitted"] == 0, c
     sql = duckdb.connect()
     rows = sql.sql(f"select episode_id, complete, completed_late from "
                    f"read_parquet('{out}/trajectories/**/*.parquet', hive_partitioning=true)").fetchall()
