@@ -21,13 +21,14 @@ not compared: their log-probs are expected to differ.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
 import numpy as np
 import torch
 
-from trainer.data import StepFilter, TrajectoryLoader, TrajectoryStream
+from trainer.data import PackedBatch, StepFilter, TrajectoryLoader, TrajectoryStream
 from trainer.engine import load_model
 from trainer.losses import token_logprobs
 
@@ -92,20 +93,16 @@ def audit_behaviour_logprobs(
         data_dir, seq_len=seq_len, batch_size=batch_size, recipe=recipe, mode="offline", max_epochs=1,
         shuffle=False, filters=StepFilter(domains=domains, min_policy_version=policy_version,
                                           max_policy_version=policy_version, include_untrainable=True))
-    model = load_model(model_dir).eval()
     errors: list[np.ndarray] = []
     out = LogprobAudit()
     seen: set[str] = set()
-    for batch in TrajectoryLoader(stream):
+    compare_of = lambda b: b.loss_mask & b.has_behaviour_logprobs & _exact_tokens(b)  # noqa: E731
+    for batch, compare, logp in _scored_batches(stream, model_dir, compare_of):
         c = batch.counts
         out.inexact_windows += c.inexact_windows
         out.episodes_without_context += c.episodes_without_context
         out.windows += len(batch.sample_ids)
         seen.update(batch.episode_ids)
-        compare = batch.loss_mask & batch.has_behaviour_logprobs & _exact_tokens(batch)
-        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
-        logp = token_logprobs(logits, batch.input_ids, temperature=batch.temperature, top_k=batch.top_k,
-                              top_p=batch.top_p, mask=compare)
         got, want = logp[compare], batch.behaviour_logprobs[compare]
         finite = torch.isfinite(got)
         out.outside_support += int((~finite).sum())
@@ -118,6 +115,22 @@ def audit_behaviour_logprobs(
         out.mean_abs_err = float(err.mean())
         out.p99_abs_err = float(np.quantile(err, 0.99))
     return out
+
+
+def _scored_batches(stream: TrajectoryStream, model_dir: str | Path,
+                    mask_of: Callable[[PackedBatch], torch.Tensor]) -> Iterator[tuple[PackedBatch, torch.Tensor,
+                                                                                     torch.Tensor]]:
+    """``(batch, mask, log-probs)`` of every batch: the weights at ``model_dir`` run as the engine runs them.
+
+    Packed segments with ``position_ids`` restarting per segment and no attention mask (transformers
+    builds the block-causal mask), log-probs on each token's sampling distribution, for ``mask_of(batch)``.
+    """
+    model = load_model(model_dir).eval()
+    for batch in TrajectoryLoader(stream):
+        mask = mask_of(batch)
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+        yield batch, mask, token_logprobs(logits, batch.input_ids, temperature=batch.temperature,
+                                          top_k=batch.top_k, top_p=batch.top_p, mask=mask)
 
 
 def _exact_tokens(batch) -> torch.Tensor:
@@ -159,15 +172,11 @@ def advantage_logprobs(
     """
     stream = TrajectoryStream(data_dir, seq_len=seq_len, batch_size=batch_size, recipe=recipe, mode="offline",
                               max_epochs=1, shuffle=False, advantage_field=advantage_field)
-    model = load_model(model_dir).eval()
     pos: list[torch.Tensor] = []
     neg: list[torch.Tensor] = []
-    for batch in TrajectoryLoader(stream):
-        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
-        logp = token_logprobs(logits, batch.input_ids, temperature=batch.temperature, top_k=batch.top_k,
-                              top_p=batch.top_p, mask=batch.loss_mask)
-        pos.append(logp[batch.loss_mask & (batch.advantages > 0)])
-        neg.append(logp[batch.loss_mask & (batch.advantages < 0)])
+    for batch, mask, logp in _scored_batches(stream, model_dir, lambda b: b.loss_mask):
+        pos.append(logp[mask & (batch.advantages > 0)])
+        neg.append(logp[mask & (batch.advantages < 0)])
     p = torch.cat(pos) if pos else torch.zeros(0)
     n = torch.cat(neg) if neg else torch.zeros(0)
     return AdvantageLogprobs(positive_tokens=int(p.numel()), positive_mean_logprob=float(p.mean()) if p.numel() else 0.0,

@@ -458,6 +458,9 @@ def audit_logprobs(
             domains=tuple(d.strip() for d in domains.split(",") if d.strip()) if domains else None)
     except DataError as err:
         _fail(str(err))
+    if result.tokens == 0:
+        _fail(f"{data} holds no recorded action of policy version {version} to compare (with behaviour log-probs, "
+              "in an exact window); name the version that acted with --policy-version")
     _print_counts({"policy_version": version, **msgspec.to_builtins(result)})
 
 
