@@ -9,6 +9,8 @@ log-probs the rollout recorded (float32 CPU: max |Δ| <= 1e-4).
 
 from __future__ import annotations
 
+import json
+
 import duckdb
 import pytest
 
@@ -58,6 +60,21 @@ def test_hf_rollouts_round_trip_to_the_trainer_with_their_behaviour_logprobs(kaf
     assert audit.tokens == tokens  # every recorded action token was compared
     assert audit.outside_support == 0
     assert audit.max_abs_err <= 1e-4, audit
+
+    # The same audit as a command; bad input gets one clear line.
+    from typer.testing import CliRunner
+
+    from trajpipe.cli import app
+
+    res = CliRunner().invoke(app, ["audit", "logprobs", "--data", str(data), "--model", str(tiny), "--seq-len", "2048"])
+    assert res.exit_code == 0, res.output
+    line = json.loads(res.stdout.strip().splitlines()[-1])
+    assert line["policy_version"] == 0 and line["tokens"] == tokens and line["max_abs_err"] <= 1e-4
+    res = CliRunner().invoke(app, ["audit", "logprobs", "--data", str(data), "--model", str(tiny),
+                                   "--policy-version", "7"])
+    assert res.exit_code == 2 and "no recorded action of policy version 7" in res.output
+    res = CliRunner().invoke(app, ["audit", "logprobs", "--data", str(data), "--model", str(tmp_path)])
+    assert res.exit_code == 2 and "is not a model directory" in res.output
 
 
 @pytest.mark.slow
