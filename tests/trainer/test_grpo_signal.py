@@ -113,6 +113,9 @@ def test_grpo_steps_on_real_groups_raise_positive_and_lower_negative_advantage_a
     before, after = load_file(v1 / "model.safetensors"), load_file(v2 / "model.safetensors")
     assert max(float((after[k] - before[k]).abs().max()) for k in before) > 0
     old, new = advantage_logprobs(data, v1), advantage_logprobs(data, v2)
+    print(f"passed {rollout['passed']}/32; mean log-prob of positive-advantage action tokens ({old.positive_tokens}) "
+          f"{old.positive_mean_logprob:.4f} -> {new.positive_mean_logprob:.4f}, negative ({old.negative_tokens}) "
+          f"{old.negative_mean_logprob:.4f} -> {new.negative_mean_logprob:.4f}; audit of v1 {audit.max_abs_err:.2e}")
     assert old.positive_tokens > 0 and old.negative_tokens > 0
     assert new.positive_mean_logprob > old.positive_mean_logprob, (old, new)
     assert new.negative_mean_logprob < old.negative_mean_logprob, (old, new)
