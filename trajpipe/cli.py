@@ -293,14 +293,18 @@ def model_init_tiny(
 
 
 def _published_policy(model: Path | None) -> dict:
-    """``policy.json`` of a published policy directory (trainer/publish.py), or {}."""
+    """Version and lineage of a published policy directory (its ``policy.json``), or {} for a base model."""
     if model is None or not (model / "policy.json").is_file():
         return {}
+    import msgspec
+
+    from trainer.publish import read_policy
+
     try:
-        return json.loads((model / "policy.json").read_text())
-    except ValueError as err:
-        _fail(f"{model / 'policy.json'} is not valid JSON: {err}")
-    return {}
+        record = read_policy(model)
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        _fail(f"{model / 'policy.json'} is not a policy record: {err}")
+    return {"version": record.version, "lineage": record.lineage}
 
 
 @app.command("rollout")

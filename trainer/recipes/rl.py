@@ -31,9 +31,10 @@ One optimizer step (:meth:`RLRecipe.train_step`):
    only a step publishes a new version);
 5. else forward, loss, backward and ``engine.step()`` per micro-batch.
 
-**Lineage.** The run has a lineage id (``publish.lineage``; by default a random
-id chosen at the first start and kept in the checkpoint, so ``--resume``
-continues the same lineage). Published policies carry it (``policy.json``,
+**Lineage.** The run has a lineage id (``publish.lineage``; by default the
+lineage of ``--model`` when it is a published policy — training continues its
+chain, from its version — else a random id chosen at the first start; kept in
+the checkpoint, so ``--resume`` continues the same lineage). Published policies carry it (``policy.json``,
 ``policy_published.lineage``); staleness compares versions only within it.
 """
 
@@ -61,7 +62,9 @@ from trainer.engine import (
 )
 from trainer.losses import build_objective, policy_lag, staleness_weights, step_loss_weights, step_response_index
 from trainer.metrics import MetricLogger
-from trainer.publish import emit_policy_published, next_policy_version, save_merged_weights, write_policy
+from trainer.publish import (
+    emit_policy_published, next_policy_version, read_policy, save_merged_weights, write_policy,
+)
 
 __all__ = ["RLRecipe", "run"]
 
@@ -93,10 +96,11 @@ class RLRecipe:
         self.lineage = ""
         self._skip_epochs: dict[int, int] | None = None
         # Training from a published policy continues its chain: its version and lineage (policy.json).
-        self._started_from = _published_record(cfg.model)
+        started_from = read_policy(Path(cfg.model)) if (Path(cfg.model) / "policy.json").is_file() else None
+        self._started_lineage = started_from.lineage if started_from is not None else ""
         initial = cfg.publish.initial_version
         if initial is None:
-            initial = int(self._started_from.get("version", 0))
+            initial = started_from.version if started_from is not None else 0
         self.policy_version = initial
         self.parent_version = initial
         self._batches: Iterator[PackedBatch] | None = None
@@ -151,7 +155,7 @@ class RLRecipe:
         )
         self.loader = TrajectoryLoader(self.stream, pin_memory=self.device.type == "cuda",
                                        prefetch_factor=d.prefetch_factor)
-        self.lineage = self._gather(cfg.publish.lineage or self._started_from.get("lineage")
+        self.lineage = self._gather(cfg.publish.lineage or self._started_lineage
                                     or uuid.uuid4().hex[:16])[0]  # rank 0's
         if cfg.resume:
             self._resume()
@@ -436,17 +440,6 @@ def run(cfg: TrainConfig, *, emit_event: Callable[[Event], None] | None = None,
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _published_record(model_dir: str) -> dict[str, Any]:
-    """``policy.json`` of a published policy directory (trainer/publish.py), or {} for a base model."""
-    path = Path(model_dir) / "policy.json"
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except ValueError as err:
-        raise ValueError(f"{path} is not valid JSON ({err}); it is the record of the policy --model names") from err
 
 
 def _seed_everything(seed: int) -> None:
