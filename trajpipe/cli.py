@@ -518,7 +518,9 @@ def pipeline_run(ctx: typer.Context) -> None:
     [--recipe NAME|FILE] [--runner R] [--loop SECONDS] [beam options...]; every option
     the job does not know goes to Beam's PipelineOptions.
     """
+    from pipelines.recipes import RecipeError
     from pipelines.trajectory_job import JobError, run
+    from pipelines.verify import VerifiersUnavailable
 
     argv = list(ctx.args)
     settings = load_settings(None)
@@ -527,7 +529,7 @@ def pipeline_run(ctx: typer.Context) -> None:
     try:
         counts = run(argv, conn=settings.connection(client_id="trajpipe-pipeline"),
                      default_topic=settings.topics.events)
-    except JobError as err:
+    except (JobError, RecipeError, VerifiersUnavailable) as err:
         _fail(str(err))
     _print_counts(counts)
 

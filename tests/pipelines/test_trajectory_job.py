@@ -216,6 +216,26 @@ def test_option_errors_name_the_option(tmp_path):
              "--stop-after-s", "0"])
 
 
+def test_cli_bad_recipe_and_options_are_one_line_each(tmp_path):
+    from typer.testing import CliRunner
+
+    from trajpipe.cli import app
+
+    def run_cli(*args):
+        return CliRunner().invoke(app, ["pipeline", "run", "--source", "archive", "--archive", str(tmp_path),
+                                        "--out", str(tmp_path / "out"), *args])
+
+    res = run_cli("--recipe", "nosuch")
+    assert res.exit_code == 2 and "error: `--recipe` 'nosuch' is neither a builtin" in res.output
+    (tmp_path / "pays.yaml").write_text("# trajpipe pipeline run ... --recipe pays.yaml\nname: pays\n"
+                                        "reward: verification_shaped\nshaping: additive\nverification_weight: 0.5\n")
+    res = run_cli("--recipe", str(tmp_path / "pays.yaml"))  # additive shaping that would pay for length
+    assert res.exit_code == 2 and res.output.startswith("error: ") and "step_penalty" in res.output
+    res = run_cli("--group-timeout", "-1")
+    assert res.exit_code == 2 and "`--group-timeout` must be >= 0" in res.output
+    assert "Traceback" not in res.output
+
+
 def test_covered_offsets_is_the_largest_end_per_partition():
     from pipelines.commit import DatasetManifest, covered_offsets
 
