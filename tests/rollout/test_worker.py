@@ -292,3 +292,19 @@ def test_sigterm_flushes_and_aborts_unfinished(kafka_broker, topic_name, tmp_pat
     assert len(episodes) == counts["episodes"] < 2000
     aborted = [evs for evs in episodes.values() if evs[-1].status == EpisodeStatus.ABORTED]
     assert len(aborted) == counts["aborted"] >= 1
+
+
+def test_rollout_cli_bad_group_pool_and_model_are_one_line_each(tmp_path):
+    cases = [
+        (["--group-size", "0"], "`--group-size` must be >= 1, got 0"),
+        (["--task-pool", "-1"], "`--task-pool` must be >= 0"),
+        (["--policy", "hf", "--model", str(tmp_path)], "is not a model directory (no config.json)"),
+    ]
+    for args, message in cases:
+        res = CliRunner().invoke(app, ["rollout", "--bootstrap", "127.0.0.1:1", "--episodes", "1", *args])
+        assert res.exit_code == 2 and message in res.output and "Traceback" not in res.output, res.output
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "policy.json").write_text("{not json")
+    res = CliRunner().invoke(app, ["rollout", "--bootstrap", "127.0.0.1:1", "--episodes", "1", "--policy", "hf",
+                                   "--model", str(tmp_path)])
+    assert res.exit_code == 2 and "is not a policy record" in res.output, res.output
