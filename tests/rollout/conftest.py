@@ -8,7 +8,11 @@ import tempfile
 
 import pytest
 
-from rollout.sandbox import Sandbox, SandboxLimits
+from rollout.sandbox import Sandbox, SandboxLimits, detect_cgroups
+
+#: The limits of the ``sandbox`` and ``limited`` fixtures (small, so tests hit them fast).
+TEST_LIMITS = SandboxLimits(cpu_time_s=5, wall_time_s=10, memory_bytes=512 << 20, max_processes=32,
+                            max_file_bytes=8 << 20, max_output_bytes=64 << 10, output_kill_bytes=1 << 20)
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +27,22 @@ def sandbox_root():
 
 @pytest.fixture
 def sandbox(sandbox_root):
-    limits = SandboxLimits(cpu_time_s=5, wall_time_s=10, memory_bytes=512 << 20, max_processes=32,
-                           max_file_bytes=8 << 20, max_output_bytes=64 << 10, output_kill_bytes=1 << 20)
-    with Sandbox(sandbox_root, limits) as sb:
+    with Sandbox(sandbox_root, TEST_LIMITS) as sb:
+        yield sb
+
+
+@pytest.fixture(params=["cgroup", "rlimit"])
+def limits_backend(request):
+    """Each limits mechanism in turn; the cgroup one is skipped (with the reason) where the host lacks it."""
+    if request.param == "cgroup":
+        support = detect_cgroups()
+        if support.kind is None:
+            pytest.skip(f"no delegated cgroup on this host: {support.reason}")
+    return request.param
+
+
+@pytest.fixture
+def limited(sandbox_root, limits_backend):
+    """A sandbox with :data:`TEST_LIMITS` enforced by the ``limits_backend`` under test."""
+    with Sandbox(sandbox_root, TEST_LIMITS, limits_backend=limits_backend) as sb:
         yield sb

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from rollout.bench_sandbox import measure_start
-from rollout.sandbox import Sandbox, SandboxError, SandboxLimits
+from rollout.sandbox import Sandbox, SandboxError
 
 
 def _uid_processes(uid: int) -> list[int]:
@@ -41,39 +41,6 @@ def test_infinite_loop_is_stopped_by_wall_timeout(sandbox):
     assert time.monotonic() - t0 < 8
     assert _uid_processes(sandbox.uid) == []  # nothing left behind
     assert sandbox.run("echo alive").stdout == "alive\n"  # the sandbox is reusable
-
-
-def test_cpu_limit_kills_busy_process(sandbox_root):
-    with Sandbox(sandbox_root, SandboxLimits(cpu_time_s=1, wall_time_s=20)) as sb:
-        r = sb.run(["python3", "-c", "while True: pass"])
-    assert r.killed_reason == "cpu_limit" and not r.timed_out and r.duration_ms < 10_000
-
-
-def test_fork_bomb_hits_process_limit(sandbox):
-    bomb = (
-        "import os, time\n"
-        "n = 0\n"
-        "try:\n"
-        "    while True:\n"
-        "        if os.fork() == 0:\n"
-        "            time.sleep(30); os._exit(0)\n"
-        "        n += 1\n"
-        "except OSError as err:\n"
-        "    print('forks', n, err.errno)\n"
-        "    raise\n"
-    )
-    r = sandbox.run(["python3", "-c", bomb], timeout_s=8)
-    assert not r.timed_out, "the process limit, not the wall clock, must stop the bomb"
-    forks = int(r.stdout.split()[1])
-    assert forks < sandbox.limits.max_processes
-    assert r.killed_reason == "process_limit" and r.exit_status != 0
-    assert _uid_processes(sandbox.uid) == []  # the sleeping children died with the pid namespace
-    assert os.fork  # and this process is fine
-
-
-def test_memory_blowup_hits_memory_limit(sandbox):
-    r = sandbox.run(["python3", "-c", "x = bytearray(2 << 30)"])
-    assert r.exit_status == 1 and r.killed_reason == "memory_limit" and "MemoryError" in r.stderr
 
 
 def test_cannot_write_outside_work_dir(sandbox, tmp_path):

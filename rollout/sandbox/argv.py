@@ -1,0 +1,201 @@
+"""How bubblewrap is invoked: its arguments, its environment, and what is bound inside.
+
+Nothing of the worker reaches the sandbox through the spawn:
+
+* **Environment.** bwrap is started with :data:`SANDBOX_ENV` as its whole
+  environment (not the worker's), and ``--clearenv`` gives the command the same
+  fixed set. bwrap stays alive as pid 1 of the sandbox's pid namespace, so its
+  environment is readable at ``/proc/1/environ`` by the sandboxed code; that is
+  why it must not be the worker's.
+* **Command line.** bwrap's options (host paths of the work dir, the binds)
+  travel through a memfd (``--args FD``); pid 1's ``/proc/1/cmdline``
+  reads ``bwrap --args N -- <command>``.
+* **File descriptors.** Only stdin/stdout/stderr pipes, the memfd, the status
+  pipe and (cgroup backends) the start-gate pipe are passed; bwrap closes the
+  last three before the command runs (``close_fds`` drops the rest).
+
+Visible inside, read-only: ``/usr`` (and the ``/bin``, ``/lib*`` links), the
+few ``/etc`` files in :data:`ETC_FILES`, the interpreter prefix when it is not
+under ``/usr``, and ``extra_ro_binds``. Writable: ``/work`` and ``/tmp`` (this
+sandbox's own directories). ``/proc`` is the sandbox's own pid namespace,
+``/dev`` a minimal tmpfs (null, zero, full, random, urandom, tty, pts).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from rollout.sandbox.errors import SandboxUnavailable
+
+__all__ = [
+    "WORK_MOUNT",
+    "ETC_FILES",
+    "SANDBOX_ENV",
+    "host_tools",
+    "sandbox_python",
+    "static_bwrap_args",
+    "bwrap_args",
+    "args_memfd",
+]
+
+#: Path of the work directory inside the sandbox.
+WORK_MOUNT = "/work"
+
+#: Host files bound read-only (when present): the dynamic loader's config, users, time zone.
+ETC_FILES = (
+    "/etc/alternatives",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/localtime",
+    "/etc/passwd",
+    "/etc/group",
+    "/etc/nsswitch.conf",
+    "/etc/os-release",
+)
+_TOP_LEVEL_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+
+#: The whole environment of bwrap and of every sandboxed command (fixed for reproducibility).
+SANDBOX_ENV: dict[str, str] = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": WORK_MOUNT,
+    "TMPDIR": "/tmp",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "TZ": "UTC",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONHASHSEED": "0",
+    "PYTHONUNBUFFERED": "1",
+}
+
+_SYSTEM_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
+
+
+def _which(name: str) -> str | None:
+    return shutil.which(name, path=os.environ.get("PATH", "") + ":" + _SYSTEM_PATH)
+
+
+def host_tools() -> tuple[str, str]:
+    """Absolute paths of ``bwrap`` and ``prlimit``.
+
+    Raises:
+        SandboxUnavailable: one of them is not installed.
+    """
+    bwrap = _which("bwrap")
+    if bwrap is None:
+        raise SandboxUnavailable(
+            "bubblewrap (`bwrap`) is not installed; install it with "
+            "`apt-get install -y bubblewrap` (Debian/Ubuntu) or `dnf install bubblewrap`"
+        )
+    prlimit = _which("prlimit")
+    if prlimit is None:
+        raise SandboxUnavailable("`prlimit` (util-linux) is not installed; install util-linux")
+    return os.path.realpath(bwrap), os.path.realpath(prlimit)
+
+
+def sandbox_python() -> str:
+    """Interpreter path to use inside sandboxes (``/usr/bin/python3`` if present).
+
+    Falls back to this process's base interpreter, whose prefix is then bound
+    read-only into every sandbox.
+    """
+    if os.path.exists("/usr/bin/python3"):
+        return "/usr/bin/python3"
+    return os.path.realpath(os.path.join(sys.base_prefix, "bin", "python3"))
+
+
+def _python_binds() -> list[str]:
+    if sandbox_python().startswith("/usr/"):
+        return []
+    prefix = os.path.realpath(sys.base_prefix)
+    return ["--ro-bind", prefix, prefix]
+
+
+_static_cache: list[str] | None = None
+
+
+def static_bwrap_args() -> list[str]:
+    """bwrap arguments shared by every sandbox on this host (computed once per process)."""
+    global _static_cache
+    if _static_cache is not None:
+        return _static_cache
+    args = [
+        "--die-with-parent", "--new-session",
+        "--unshare-all", "--unshare-user", "--disable-userns",
+        "--hostname", "sandbox",
+        "--ro-bind", "/usr", "/usr",
+    ]
+    for path in _TOP_LEVEL_LINKS:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    for path in ETC_FILES:
+        if os.path.exists(path):
+            args += ["--ro-bind", path, path]
+    args += _python_binds()
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    _static_cache = args
+    return args
+
+
+def bwrap_args(
+    *,
+    work: Path,
+    tmp: Path,
+    extra_ro_binds: Sequence[str],
+    status_fd: int,
+    block_fd: int | None,
+) -> list[str]:
+    """bwrap's options for one run; they go into the ``--args`` memfd, not onto its argv.
+
+    bwrap reads only options from ``--args``, so the command itself follows
+    ``bwrap --args N --`` on the argv (``/proc/1/cmdline`` inside shows it,
+    which is the sandbox's own command, no host detail).
+
+    Args:
+        work: host work directory, bound at :data:`WORK_MOUNT`.
+        tmp: host directory bound at ``/tmp``.
+        extra_ro_binds: absolute host paths bound read-only at the same place.
+        status_fd: fd bwrap writes ``{"child-pid": N}`` and ``{"exit-code": N}`` to.
+        block_fd: fd bwrap's pid 1 reads one byte from before it starts the
+            command (the cgroup backends move it into the cgroup first), or None.
+    """
+    args = list(static_bwrap_args())
+    for path in extra_ro_binds:
+        args += ["--ro-bind", path, path]
+    args += [
+        "--bind", str(work), WORK_MOUNT,
+        "--bind", str(tmp), "/tmp",
+        "--remount-ro", "/",
+        "--chdir", WORK_MOUNT,
+        "--clearenv",
+    ]
+    for key, value in SANDBOX_ENV.items():
+        args += ["--setenv", key, value]
+    args += ["--json-status-fd", str(status_fd)]
+    if block_fd is not None:
+        args += ["--block-fd", str(block_fd)]
+    return args
+
+
+def args_memfd(args: Sequence[str]) -> int:
+    """A memfd holding ``args`` NUL-separated, rewound, for ``bwrap --args FD``.
+
+    The caller passes it to bwrap (``pass_fds``) and closes its own copy after the spawn.
+    """
+    fd = os.memfd_create("bwrap-args", os.MFD_CLOEXEC)
+    try:
+        data = b"".join(os.fsencode(a) + b"\0" for a in args)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
