@@ -26,7 +26,7 @@ $(PRISM): pipelines/runtime/install_prism.sh
 $(FLINK_JS): pipelines/runtime/flink-job-server/pom.xml pipelines/runtime/install_flink_jobserver.sh
 	pipelines/runtime/install_flink_jobserver.sh
 
-# bubblewrap isolates sandboxed commands (rollout/sandbox.py).
+# bubblewrap isolates sandboxed commands (rollout/sandbox/, docs/security.md).
 system-packages:
 	@command -v bwrap >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; \
