@@ -279,11 +279,17 @@ def _empty_and_remove(directory: Path, *, kill: bool) -> bool:
                     except ProcessLookupError:
                         pass
             time.sleep(0.005)
-    try:
-        directory.rmdir()
-        return True
-    except OSError:
-        return False
+    deadline = time.monotonic() + 1.0
+    while True:
+        try:
+            directory.rmdir()
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:  # EBUSY while the last task's exit is still being accounted
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
 
 
 class _Cgroup:

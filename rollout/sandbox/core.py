@@ -194,7 +194,11 @@ class Sandbox:
         with _probe_lock:
             if _probe_ok:
                 return
-            result = self.run(["/bin/true"], timeout_s=20, _probe=True)
+            try:
+                result = self.run(["/bin/true"], timeout_s=20, _probe=True)
+            except SandboxError as err:
+                self.close()
+                raise SandboxUnavailable(f"bwrap could not start a sandbox here: {err}") from err
             _probe_ok = result.exit_status == 0
             if not _probe_ok:
                 self.close()
@@ -305,7 +309,7 @@ class Sandbox:
                 usages += reap_uid(self.uid)
         duration_ms = (time.monotonic() - started) * 1000.0
         if admit_error is not None:
-            raise admit_error
+            raise SandboxError(f"{admit_error}; bwrap said: {pumped.stderr.strip()[:500]!r}") from admit_error
         if b'"child-pid"' not in status and pumped.stopped_by_us is None:
             raise SandboxError(f"bwrap failed to set up the sandbox (exit {pumped.returncode}): "
                                f"{pumped.stderr.strip()[:500]}")

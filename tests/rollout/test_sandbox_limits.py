@@ -205,3 +205,31 @@ def test_cgroup_v1_limits_are_written(sandbox_root):
         cpu = [d for d in dirs if (d / "cpu.cfs_quota_us").exists()]
         if cpu:
             assert (cpu[0] / "cpu.cfs_quota_us").read_text().strip() == "50000"  # 0.5 x 100000 us
+
+
+def test_command_runs_inside_its_cgroup(sandbox_root):
+    support = detect_cgroups()
+    if support.kind is None:
+        pytest.skip(f"no delegated cgroup on this host: {support.reason}")
+    with Sandbox(sandbox_root, TEST_LIMITS, limits_backend="cgroup") as sb:
+        lines = sb.run("cat /proc/self/cgroup").stdout.splitlines()
+    wanted = ("memory", "pids") if support.kind == "cgroup1" else ("",)
+    for controller in wanted:
+        line = next(ln for ln in lines if ln.split(":")[1].split(",").count(controller) or
+                    (controller == "" and ln.startswith("0::")))
+        assert line.endswith(sb.sandbox_id), line
+
+
+def test_cgroup_v2_detection_explains_what_is_missing(tmp_path):
+    # detection only: a directory that offers no controllers, then one that offers them but
+    # does not enable them for children (the usual state of a non-delegated cgroup)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "cgroup.controllers").write_text("hugetlb\n")
+    assert "does not offer memory,pids" in detect_cgroups(parent=str(bare)).reason
+    offered = tmp_path / "offered"
+    offered.mkdir()
+    (offered / "cgroup.controllers").write_text("cpu memory pids\n")
+    (offered / "cgroup.subtree_control").write_text("cpu\n")
+    support = detect_cgroups(parent=str(offered))
+    assert support.kind is None and "cgroup_parent" in support.reason
