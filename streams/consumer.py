@@ -38,6 +38,7 @@ from kafka.consumer.fetcher import ConsumerRecord
 from kafka.structs import OffsetAndMetadata
 
 from streams.config import KafkaConnection
+from streams.errors import check_kafka
 
 __all__ = [
     "OffsetRange",
@@ -107,6 +108,7 @@ class OffsetRange(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _consumer(conn: KafkaConnection, **overrides: Any) -> KafkaConsumer:
+    check_kafka(conn)  # one clear error for a broker that is down or refuses us, not a bootstrap timeout
     kw: dict[str, Any] = {
         **conn.client_kwargs(),
         "enable_auto_commit": False,
