@@ -26,6 +26,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import ssl
 import time
@@ -35,7 +36,15 @@ from kafka import errors as kafka_errors
 
 from streams.config import ConfigError, KafkaConnection
 
-__all__ = ["KafkaAccessDenied", "KafkaAuthError", "KafkaUnavailable", "check_kafka", "kafka_access_errors"]
+__all__ = [
+    "KafkaAccessDenied",
+    "KafkaAuthError",
+    "KafkaUnavailable",
+    "access_denied",
+    "check_kafka",
+    "is_access_denied",
+    "kafka_access_errors",
+]
 
 _PASSWORD_SETTING = "kafka.sasl_password_file / TRAJPIPE_KAFKA__SASL_PASSWORD_FILE (or TRAJPIPE_SASL_PASSWORD)"
 
@@ -187,14 +196,27 @@ def kafka_access_errors(conn: KafkaConnection, *, what: str) -> Iterator[None]:
     """
     try:
         yield
-    except kafka_errors.AuthorizationError as err:
+    except kafka_errors.KafkaError as err:
+        if not is_access_denied(err):
+            raise
         raise access_denied(conn, what=what, err=err) from None
+
+
+def is_access_denied(err: BaseException) -> bool:
+    """Whether ``err`` is the broker refusing an operation for want of an ACL.
+
+    kafka-python raises ``AuthorizationError`` subclasses, except for a refused
+    InitProducerId (an idempotent producer without any Write ACL), which arrives as a
+    plain ``KafkaError`` naming ``ClusterAuthorizationFailedError``.
+    """
+    return isinstance(err, kafka_errors.AuthorizationError) or "AuthorizationFailedError" in str(err)
 
 
 def access_denied(conn: KafkaConnection, *, what: str, err: BaseException) -> KafkaAccessDenied:
     """The :class:`KafkaAccessDenied` for an authorization error ``err`` the broker returned."""
     user = conn.sasl_username or "ANONYMOUS"
+    named = re.search(r"\w+AuthorizationFailedError", str(err))
     return KafkaAccessDenied(
-        f"Kafka denied {_who(conn)} permission to {what} ({type(err).__name__}): grant user {user!r} an ACL "
+        f"Kafka denied {_who(conn)} permission to {what} ({named.group(0) if named else type(err).__name__}): grant user {user!r} an ACL "
         f"(embedded broker: `trajpipe broker acl add --user {user} ...`), or use a user that has one"
     )

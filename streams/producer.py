@@ -91,7 +91,7 @@ from schemas.codec import DEFAULT_MAX_EVENT_BYTES, encode_event, kafka_headers
 from schemas.events import Event
 from schemas.storage import fsync_dir
 from streams.config import ConfigError, KafkaConnection
-from streams.errors import KafkaAuthError, KafkaUnavailable, access_denied, check_kafka
+from streams.errors import KafkaAuthError, KafkaUnavailable, access_denied, check_kafka, is_access_denied
 
 __all__ = [
     "EventProducer",
@@ -549,7 +549,7 @@ class EventProducer:
     def _on_error(self, key: bytes | None, value: bytes, headers: list[Header], err: BaseException) -> None:
         self._send_errors += 1
         self._degraded = True
-        if isinstance(err, kafka_errors.AuthorizationError):
+        if is_access_denied(err):
             self._denied = err
         self._spool.append(key, value, headers)
         if self._send_errors == 1 or self._send_errors % 1000 == 0:
@@ -557,7 +557,7 @@ class EventProducer:
                         self._spool.path)
 
     def _on_replay_error(self, err: BaseException) -> None:
-        if isinstance(err, kafka_errors.AuthorizationError):
+        if is_access_denied(err):
             self._denied = err
         self._replay_failures.append(err)
 
@@ -638,7 +638,7 @@ class EventProducer:
                         break
             producer.flush(timeout=self._delivery_timeout_s + 5)
         except kafka_errors.KafkaError as err:
-            self._replay_failures.append(err)
+            self._on_replay_error(err)
         if self._replay_failures:
             log.warning("replay of %s failed after %d records (%s); the whole spool stays and is retried "
                         "(duplicates are removed downstream by event_id)",
