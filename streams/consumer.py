@@ -34,6 +34,7 @@ from typing import Any
 
 import msgspec
 from kafka import KafkaConsumer, TopicPartition
+from kafka.errors import TopicAuthorizationFailedError
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.structs import OffsetAndMetadata
 
@@ -124,19 +125,37 @@ def partitions_for(conn: KafkaConnection, topic: str, *, timeout_s: float = 10.0
 
     Raises:
         UnknownTopicError: the topic does not exist.
+        kafka.errors.TopicAuthorizationFailedError: an ACL hides the topic from this client.
     """
     consumer = _consumer(conn)
+    checked_acl = False
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             parts = consumer.partitions_for_topic(topic)
             if parts:
                 return sorted(parts)
+            if not checked_acl:  # a topic an ACL hides looks missing too: ask, once, which it is
+                checked_acl = True
+                _raise_if_unauthorized(conn, topic)
             if time.monotonic() >= deadline:
                 raise UnknownTopicError(f"topic {topic!r} not found on {conn.bootstrap_servers}")
             time.sleep(0.1)
     finally:
         consumer.close()
+
+
+def _raise_if_unauthorized(conn: KafkaConnection, topic: str) -> None:
+    """Raise TopicAuthorizationFailedError if the broker says an ACL keeps ``topic`` from this client."""
+    from kafka import KafkaAdminClient
+
+    admin = KafkaAdminClient(**conn.client_kwargs())
+    try:
+        for desc in admin.describe_topics([topic]):
+            if desc.get("error_code") == TopicAuthorizationFailedError.errno:
+                raise TopicAuthorizationFailedError(topic)
+    finally:
+        admin.close()
 
 
 def end_offsets(

@@ -320,12 +320,10 @@ def train(
     if cfg.publish.bootstrap:
         from streams.producer import EventProducer
 
-        from streams.errors import check_kafka
-
         settings = load_settings(None, bootstrap=cfg.publish.bootstrap)
         conn = settings.connection(client_id="trajpipe-trainer")
-        if not settings.spool_configured:
-            check_kafka(conn)  # fail before training, not at the first publish
+        # fail before training, not at the first publish (down, bad credentials, no ACL on the topics)
+        _ensure_topics_or_spool(conn, settings.topic_names(), spool=settings.spool_configured)
         producer = EventProducer(conn, settings.topic_names().control, spool_dir=Path(settings.spool_dir))
 
         def emit(event) -> None:
