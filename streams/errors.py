@@ -89,7 +89,8 @@ def check_kafka(conn: KafkaConnection) -> None:
             host, _, port = server.rpartition(":")
             host = host.strip("[]")
             try:
-                sock = socket.create_connection((host, int(port)), timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+                wait = max(0.1, min(5.0, deadline - time.monotonic()))
+                sock = socket.create_connection((host, int(port)), timeout=wait)
             except OSError as err:
                 last = err
                 continue
@@ -103,7 +104,8 @@ def check_kafka(conn: KafkaConnection) -> None:
             raise KafkaUnavailable(
                 f"cannot reach Kafka at {conn.bootstrap_servers} for {_who(conn)} within {conn.connect_timeout_s:g} s "
                 f"({reason}): start the broker (`trajpipe broker start`) or fix --bootstrap / kafka.bootstrap_servers "
-                f"(TRAJPIPE_BOOTSTRAP); kafka.connect_timeout_s (TRAJPIPE_KAFKA__CONNECT_TIMEOUT_S) sets how long to wait"
+                "(TRAJPIPE_BOOTSTRAP); kafka.connect_timeout_s (TRAJPIPE_KAFKA__CONNECT_TIMEOUT_S) sets how long to "
+                "wait"
             )
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
@@ -128,12 +130,25 @@ def _handshake(conn: KafkaConnection, sock: socket.socket, *, host: str, server:
                 f"check kafka.security_protocol / TRAJPIPE_KAFKA__SECURITY_PROTOCOL ({conn.security_protocol})"
             ) from None
     try:
+        _authenticate(conn, sock, server=server)
+    finally:
+        sock.close()  # the TLS socket, when wrapped (the caller closes the plain one)
+
+
+def _authenticate(conn: KafkaConnection, sock: socket.socket, *, server: str) -> None:
+    try:
         if conn.security_protocol.startswith("SASL"):
             _sasl(conn, sock, server=server)
         else:
             from kafka.protocol.metadata import ApiVersionsRequest
 
             _exchange(conn, sock, ApiVersionsRequest(version=0))
+    except TimeoutError:
+        raise KafkaUnavailable(
+            f"{server} accepted a connection from {_who(conn)} but did not answer within "
+            f"{conn.request_timeout_ms / 1000:g} s: the broker may be overloaded or starting; retry, or check that "
+            "kafka.bootstrap_servers names a Kafka listener"
+        ) from None
     except (OSError, kafka_errors.KafkaError) as err:
         if conn.security_protocol.startswith("SASL"):
             raise KafkaAuthError(
@@ -216,7 +231,8 @@ def access_denied(conn: KafkaConnection, *, what: str, err: BaseException) -> Ka
     """The :class:`KafkaAccessDenied` for an authorization error ``err`` the broker returned."""
     user = conn.sasl_username or "ANONYMOUS"
     named = re.search(r"\w+AuthorizationFailedError", str(err))
+    reason = named.group(0) if named else type(err).__name__
     return KafkaAccessDenied(
-        f"Kafka denied {_who(conn)} permission to {what} ({named.group(0) if named else type(err).__name__}): grant user {user!r} an ACL "
+        f"Kafka denied {_who(conn)} permission to {what} ({reason}): grant user {user!r} an ACL "
         f"(embedded broker: `trajpipe broker acl add --user {user} ...`), or use a user that has one"
     )

@@ -49,7 +49,8 @@ def broker_start(
     engine: Annotated[str, typer.Option(help="kafka (Apache Kafka, KRaft; needs Java 17) or tansu (no Java)")] = "kafka",
     port: Annotated[int, typer.Option(help="listener port")] = 9092,
     data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="broker data/log directory")] = None,
-    auth: Annotated[str, typer.Option(help="none, or sasl-ssl: TLS + SCRAM-SHA-512 users + ACLs (docs/security-kafka.md)")] = "none",
+    auth: Annotated[str, typer.Option(
+        help="none, or sasl-ssl: TLS + SCRAM-SHA-512 users + ACLs (docs/security-kafka.md)")] = "none",
     config: ConfigOpt = None,
 ) -> None:
     """Start the embedded broker in the background and print its bootstrap address."""
