@@ -33,6 +33,7 @@ __all__ = [
     "TopicMismatchError",
     "ensure_topics",
     "grant_acls",
+    "raise_if_unauthorized",
     "topic_partition_counts",
     "topic_specs",
     "upsert_scram_user",
@@ -147,6 +148,21 @@ def _wait_for(admin: KafkaAdminClient, specs: dict[str, Any], timeout_s: float) 
             missing = sorted(set(specs) - set(counts))
             raise kafka_errors.KafkaTimeoutError(f"topics {missing} not visible in metadata after {timeout_s}s")
         time.sleep(0.1)
+
+
+def raise_if_unauthorized(conn: KafkaConnection, topic: str) -> None:
+    """Raise if an ACL keeps ``topic`` from this client (to its metadata, it looks like a missing topic).
+
+    Raises:
+        kafka.errors.TopicAuthorizationFailedError: the broker refused to describe ``topic``.
+    """
+    admin = KafkaAdminClient(**conn.client_kwargs())
+    try:
+        for desc in admin.describe_topics([topic]):
+            if desc.get("error_code") == kafka_errors.TopicAuthorizationFailedError.errno:
+                raise kafka_errors.TopicAuthorizationFailedError(topic)
+    finally:
+        admin.close()
 
 
 def upsert_scram_user(conn: KafkaConnection, user: str, password: str, *, mechanism: str = "SCRAM-SHA-512") -> None:

@@ -34,10 +34,10 @@ from typing import Any
 
 import msgspec
 from kafka import KafkaConsumer, TopicPartition
-from kafka.errors import TopicAuthorizationFailedError
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.structs import OffsetAndMetadata
 
+from streams.admin import raise_if_unauthorized
 from streams.config import KafkaConnection
 from streams.errors import check_kafka
 
@@ -137,25 +137,12 @@ def partitions_for(conn: KafkaConnection, topic: str, *, timeout_s: float = 10.0
                 return sorted(parts)
             if not checked_acl:  # a topic an ACL hides looks missing too: ask, once, which it is
                 checked_acl = True
-                _raise_if_unauthorized(conn, topic)
+                raise_if_unauthorized(conn, topic)
             if time.monotonic() >= deadline:
                 raise UnknownTopicError(f"topic {topic!r} not found on {conn.bootstrap_servers}")
             time.sleep(0.1)
     finally:
         consumer.close()
-
-
-def _raise_if_unauthorized(conn: KafkaConnection, topic: str) -> None:
-    """Raise TopicAuthorizationFailedError if the broker says an ACL keeps ``topic`` from this client."""
-    from kafka import KafkaAdminClient
-
-    admin = KafkaAdminClient(**conn.client_kwargs())
-    try:
-        for desc in admin.describe_topics([topic]):
-            if desc.get("error_code") == TopicAuthorizationFailedError.errno:
-                raise TopicAuthorizationFailedError(topic)
-    finally:
-        admin.close()
 
 
 def end_offsets(
