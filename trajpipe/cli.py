@@ -152,7 +152,8 @@ def broker_status(
     if info is None:
         typer.echo("not running")
         raise typer.Exit(1)
-    typer.echo(f"running: {info.engine} pid {info.pid} at {info.bootstrap} (data {info.data_dir})")
+    auth = f", auth {info.auth}, CA {info.ca_file}" if info.ca_file is not None else ""
+    typer.echo(f"running: {info.engine} pid {info.pid} at {info.bootstrap} (data {info.data_dir}{auth})")
 
 
 def _ensure_topics_or_spool(conn, topics, *, spool: bool) -> None:

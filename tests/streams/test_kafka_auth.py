@@ -124,3 +124,12 @@ def test_cli_user_add_and_acl_add_let_a_new_user_in(kafka_auth_broker, tmp_path,
     assert granted.stdout.strip().splitlines()[-1] == '{"acls": 6}'
     assert len(ensure_topics(carol, topics)) == 3
     assert "carol-Secret-123" not in added.stdout + added.stderr + granted.stdout + granted.stderr
+
+
+def test_a_data_dir_keeps_the_auth_mode_it_was_formatted_with(tmp_path):
+    (tmp_path / "kafka-logs").mkdir()
+    (tmp_path / "kafka-logs" / "meta.properties").write_text("node.id=1\n")  # formatted, as after a first start
+    (tmp_path / "auth.mode").write_text("sasl-ssl\n")
+    with pytest.raises(BrokerError, match="first started with `--auth sasl-ssl`, not `--auth none`"):
+        start_broker(engine="kafka", port=free_port(), data_dir=tmp_path)
+    assert broker_status(tmp_path) is None  # nothing was launched
