@@ -106,6 +106,7 @@ from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE, RawRecords
 from pipelines.verify import VerifySteps
 from schemas.events import Event
 from streams.config import KafkaConnection, Topics
+from streams.errors import check_kafka, kafka_access_errors
 
 __all__ = ["run", "run_batch", "run_stream", "processing_time_s", "JobError", "COUNT_KEYS", "DEFAULT_MAX_FUTURE_S"]
 
@@ -296,7 +297,8 @@ def run_batch(
 
         topic = kafka["topic"]
         start = covered_offsets(manifests, topic)
-        end = end_offsets(kafka["conn"], topic)
+        with kafka_access_errors(kafka["conn"], what=f"read topic {topic!r}"):
+            end = end_offsets(kafka["conn"], topic)
         ranges = ranges_from(topic=topic, start=start, end=end)
         manifest.offsets = {topic: {p: [start.get(p, 0), e] for p, e in sorted(end.items())}}
         has_input = bool(ranges)
@@ -650,6 +652,7 @@ def run(argv: Sequence[str] | None = None, *, conn: KafkaConnection | None = Non
         base = conn or KafkaConnection(client_id="trajpipe-pipeline")
         kafka = {"conn": msgspec.structs.replace(base, bootstrap_servers=args.bootstrap),
                  "topic": args.topic or default_topic}
+        check_kafka(kafka["conn"])  # down, or refusing these credentials: one clear error before Beam starts
     if args.mode == "stream":
         from pipelines.runners import RunnerConfigError, RunnerNotInstalledError, runner_options
 

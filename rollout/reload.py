@@ -39,7 +39,9 @@ from kafka import KafkaConsumer, TopicPartition
 from rollout.policies.base import Policy
 from schemas.codec import EventDecodeError, decode_event
 from schemas.events import PolicyPublished, make_event_id
-from streams.config import KafkaConnection
+from streams.admin import raise_if_unauthorized
+from streams.config import ConfigError, KafkaConnection
+from streams.errors import check_kafka, is_access_denied, kafka_access_errors
 
 __all__ = [
     "PolicyFollower",
@@ -141,9 +143,17 @@ class PolicyFollower:
 
         Raises:
             TimeoutError: it was not listening within ``wait_ready_s``.
+            streams.config.ConfigError: the broker cannot be reached, refused the credentials, or an ACL
+                keeps the control topic from this client (``streams.errors``), when that stopped it first.
         """
         self._thread.start()
-        if wait_ready_s is not None and not self.ready.wait(wait_ready_s):
+        deadline = None if wait_ready_s is None else time.monotonic() + wait_ready_s
+        while deadline is not None and not self.ready.wait(0.1) and time.monotonic() < deadline:
+            if not self._thread.is_alive():
+                break
+        if isinstance(self._error, ConfigError) and not self.ready.is_set():
+            raise self._error
+        if wait_ready_s is not None and not self.ready.is_set():
             raise TimeoutError(f"policy follower not assigned to {self.topic} within {wait_ready_s}s"
                                + (f": {self._error}" if self._error else ""))
         return self
@@ -166,11 +176,22 @@ class PolicyFollower:
             self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        try:
+            check_kafka(self.conn)
+            with kafka_access_errors(self.conn, what=f"read topic {self.topic!r}"):
+                self._follow()
+        except ConfigError as err:  # one line, no traceback: the message says what to fix
+            self._error = err
+            log.error("policy follower on %s stopped: %s", self.topic, err)
+
+    def _follow(self) -> None:
         consumer = KafkaConsumer(**self.conn.client_kwargs(), group_id=None, enable_auto_commit=False,
                                  auto_offset_reset="earliest")
         try:
             deadline = time.monotonic() + self.topic_timeout_s
             parts = consumer.partitions_for_topic(self.topic)
+            if not parts:  # missing, or hidden by an ACL: the latter is an error now, not after the timeout
+                raise_if_unauthorized(self.conn, self.topic)
             while not parts and not self._stop.is_set():
                 if time.monotonic() > deadline:
                     self._error = LookupError(f"control topic {self.topic!r} does not exist")
@@ -189,6 +210,8 @@ class PolicyFollower:
                     for rec in records:
                         self._consider(rec)
         except Exception as err:  # any failure: logged and kept; rollouts go on without reloads
+            if is_access_denied(err):
+                raise  # becomes one KafkaAccessDenied line in _run
             self._error = err
             log.exception("policy follower on %s stopped", self.topic)
         finally:

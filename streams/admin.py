@@ -26,8 +26,21 @@ from kafka import errors as kafka_errors
 from kafka.admin import NewTopic
 
 from streams.config import ConfigError, KafkaConnection, Topics
+from streams.errors import check_kafka, kafka_access_errors
 
-__all__ = ["TopicMismatchError", "ensure_topics", "topic_specs", "topic_partition_counts"]
+__all__ = [
+    "ACL_OPERATIONS",
+    "TopicMismatchError",
+    "ensure_topics",
+    "grant_acls",
+    "raise_if_unauthorized",
+    "topic_partition_counts",
+    "topic_specs",
+    "upsert_scram_user",
+]
+
+#: Operations :func:`grant_acls` knows, by the name the command line uses.
+ACL_OPERATIONS = ("read", "write", "describe", "create")
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +81,18 @@ def ensure_topics(conn: KafkaConnection, topics: Topics, *, timeout_s: float = 3
 
     Raises:
         TopicMismatchError: a topic exists with fewer partitions than asked.
+        streams.errors.KafkaUnavailable: no broker answered within ``conn.connect_timeout_s``.
+        streams.errors.KafkaAuthError: the broker refused this client's TLS or SASL credentials.
+        streams.errors.KafkaAccessDenied: an ACL does not let this client describe or create the topics.
         kafka.errors.KafkaError: the broker refused to create a topic.
     """
     specs = topic_specs(topics)
+    check_kafka(conn)
+    with kafka_access_errors(conn, what=f"describe/create topics {', '.join(specs)}"):
+        return _ensure(conn, topics, specs, timeout_s)
+
+
+def _ensure(conn: KafkaConnection, topics: Topics, specs: dict[str, int], timeout_s: float) -> list[str]:
     admin = KafkaAdminClient(**conn.client_kwargs())
     try:
         existing = _describe(admin, list(specs))
@@ -126,3 +148,95 @@ def _wait_for(admin: KafkaAdminClient, specs: dict[str, Any], timeout_s: float) 
             missing = sorted(set(specs) - set(counts))
             raise kafka_errors.KafkaTimeoutError(f"topics {missing} not visible in metadata after {timeout_s}s")
         time.sleep(0.1)
+
+
+def raise_if_unauthorized(conn: KafkaConnection, topic: str) -> None:
+    """Raise if an ACL keeps ``topic`` from this client (to its metadata, it looks like a missing topic).
+
+    Raises:
+        kafka.errors.TopicAuthorizationFailedError: the broker refused to describe ``topic``.
+    """
+    admin = KafkaAdminClient(**conn.client_kwargs())
+    try:
+        for desc in admin.describe_topics([topic]):
+            if desc.get("error_code") == kafka_errors.TopicAuthorizationFailedError.errno:
+                raise kafka_errors.TopicAuthorizationFailedError(topic)
+    finally:
+        admin.close()
+
+
+def upsert_scram_user(conn: KafkaConnection, user: str, password: str, *, mechanism: str = "SCRAM-SHA-512") -> None:
+    """Create ``user`` with ``password``, or change its password (AlterUserScramCredentials).
+
+    Args:
+        conn: an admin's connection (a ``super.users`` member, or one with Cluster ALTER).
+        user: the SCRAM user name.
+        password: its new password.
+        mechanism: ``SCRAM-SHA-512`` or ``SCRAM-SHA-256``.
+
+    Raises:
+        ConfigError: an empty user or password, an unknown mechanism, or the broker refused it
+            (the message is the broker's).
+    """
+    from kafka.admin import ScramMechanism, UserScramCredentialUpsertion
+
+    if not user or not password:
+        raise ConfigError("a SCRAM user needs a non-empty `user` and `password` (a --password-file with one line)")
+    mech = {"SCRAM-SHA-512": ScramMechanism.SCRAM_SHA_512, "SCRAM-SHA-256": ScramMechanism.SCRAM_SHA_256}.get(mechanism)
+    if mech is None:
+        raise ConfigError(f"`mechanism` {mechanism!r} is not SCRAM-SHA-512 or SCRAM-SHA-256")
+    check_kafka(conn)
+    admin = KafkaAdminClient(**conn.client_kwargs())
+    try:
+        with kafka_access_errors(conn, what=f"alter the SCRAM credentials of {user!r}"):
+            result = admin.alter_user_scram_credentials([UserScramCredentialUpsertion(user, mech, password)])
+    finally:
+        admin.close()
+    if result.get(user):
+        raise ConfigError(f"the broker refused SCRAM user {user!r}: {result[user]}")
+
+
+def grant_acls(conn: KafkaConnection, user: str, *, topic_prefix: str, group_prefix: str | None,
+               operations: tuple[str, ...] = ACL_OPERATIONS) -> int:
+    """Allow ``user`` the ``operations`` on every topic (and consumer group) whose name starts with a prefix.
+
+    Topics get each of ``operations``; groups (when ``group_prefix`` is given) get READ and
+    DESCRIBE, which committing offsets needs. Existing identical ACLs are fine.
+
+    Args:
+        conn: an admin's connection.
+        user: the principal is ``User:<user>``.
+        topic_prefix: e.g. ``trajpipe.``; an empty string means every topic.
+        group_prefix: consumer-group prefix, or None for no group ACLs.
+        operations: names from :data:`ACL_OPERATIONS`.
+
+    Returns:
+        How many ACL bindings were created.
+
+    Raises:
+        ConfigError: an unknown operation, or the broker refused an ACL.
+    """
+    from kafka.admin import ACL, ACLOperation, ACLPermissionType, ACLResourcePatternType, ResourcePattern, ResourceType
+
+    unknown = sorted(set(operations) - set(ACL_OPERATIONS))
+    if unknown or not operations:
+        raise ConfigError(f"`operations` {unknown or '(none)'} unknown; use some of: {', '.join(ACL_OPERATIONS)}")
+    principal = f"User:{user}"
+
+    def acl(resource: ResourceType, name: str, op: ACLOperation) -> ACL:
+        pattern = ACLResourcePatternType.PREFIXED if name else ACLResourcePatternType.LITERAL
+        return ACL(principal, "*", op, ACLPermissionType.ALLOW, ResourcePattern(resource, name or "*", pattern))
+
+    acls = [acl(ResourceType.TOPIC, topic_prefix, ACLOperation[op.upper()]) for op in operations]
+    if group_prefix is not None:
+        acls += [acl(ResourceType.GROUP, group_prefix, op) for op in (ACLOperation.READ, ACLOperation.DESCRIBE)]
+    check_kafka(conn)
+    admin = KafkaAdminClient(**conn.client_kwargs())
+    try:
+        with kafka_access_errors(conn, what=f"create ACLs for {principal}"):
+            result = admin.create_acls(acls)
+    finally:
+        admin.close()
+    if result.get("failed"):
+        raise ConfigError(f"the broker refused an ACL for {principal}: {result['failed'][0].__name__}")
+    return len(result.get("succeeded", []))

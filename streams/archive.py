@@ -39,6 +39,7 @@ from schemas.events import SCHEMA_VERSION, Event
 from schemas.storage import atomic_write, fsync_dir
 from streams.config import KafkaConnection
 from streams.consumer import OffsetRange, end_offsets
+from streams.errors import kafka_access_errors
 from streams.fetch import PartitionReader, read_partition
 
 __all__ = [
@@ -295,7 +296,7 @@ class Archiver:
         recover_archive(self.out)
         counts = ArchiveCounts()
         stop = stop or threading.Event()
-        with PartitionReader(self.conn) as reader:
+        with kafka_access_errors(self.conn, what=f"read topic {self.topic!r}"), PartitionReader(self.conn) as reader:
             while not stop.is_set():
                 start = self.committed_offsets()
                 end = end_offsets(self.conn, self.topic)

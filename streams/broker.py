@@ -56,7 +56,26 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-__all__ = ["BrokerError", "BrokerInfo", "broker_status", "kafka_jars_dir", "start_broker", "stop_broker"]
+from streams.broker_auth import (
+    AUTH_MODES,
+    SCRAM_MECHANISM,
+    BrokerAuth,
+    auth_server_properties,
+    prepare_broker_auth,
+    read_broker_auth,
+    scram_format_args,
+)
+from streams.config import KafkaConnection
+
+__all__ = [
+    "BrokerError",
+    "BrokerInfo",
+    "admin_connection",
+    "broker_status",
+    "kafka_jars_dir",
+    "start_broker",
+    "stop_broker",
+]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +85,7 @@ LOG_FILE = "broker.log"
 _LOCK_FILE = ".broker.lock"
 _CLUSTER_ID_FILE = "cluster.id"
 _KAFKA_LOG_DIR = "kafka-logs"
+_AUTH_MODE_FILE = "auth.mode"
 _KAFKA_MAIN = "kafka.Kafka"
 _KAFKA_STORAGE_TOOL = "kafka.tools.StorageTool"
 _KAFKA_JVM_OPTS = ("-Xms128m", "-Xmx512m", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-Djava.awt.headless=true")
@@ -87,6 +107,7 @@ class BrokerInfo:
         port: TCP port of the client (PLAINTEXT) listener.
         bootstrap: ``host:port`` to give clients as ``bootstrap_servers``.
         data_dir: absolute path of the broker's data dir (pid file, log, Kafka's log dirs).
+        auth: ``"none"`` (PLAINTEXT, no ACLs) or ``"sasl-ssl"`` (see :mod:`streams.broker_auth`).
     """
 
     engine: str
@@ -94,6 +115,12 @@ class BrokerInfo:
     port: int
     bootstrap: str
     data_dir: Path
+    auth: str = "none"
+
+    @property
+    def ca_file(self) -> Path | None:
+        """The CA certificate clients verify an ``auth="sasl-ssl"`` broker with (None without auth)."""
+        return self.data_dir / "auth" / "ca.pem" if self.auth != "none" else None
 
 
 def kafka_jars_dir() -> Path:
@@ -119,6 +146,7 @@ def start_broker(
     data_dir: Path,
     host: str = "127.0.0.1",
     timeout_s: float = 90.0,
+    auth: str = "none",
 ) -> BrokerInfo:
     """Start a detached single-node broker and return once it answers a metadata request.
 
@@ -131,12 +159,17 @@ def start_broker(
         host: interface to listen on; clients are told to connect to it (a wildcard
             host such as ``0.0.0.0`` is advertised as this machine's host name).
         timeout_s: how long to wait for the broker to answer before giving up.
+        auth: ``"none"``: a PLAINTEXT listener, no ACLs. ``"sasl-ssl"`` (kafka engine only):
+            the listener needs TLS and a SCRAM-SHA-512 user, ACLs are enforced; the CA,
+            certificates and the ``admin`` user's password are made in ``<data_dir>/auth``
+            (see :mod:`streams.broker_auth`). A data dir keeps the mode of its first start.
 
     Returns:
         The running broker's :class:`BrokerInfo`.
 
     Raises:
-        BrokerError: unknown engine; this data dir's broker is already running; the port
+        BrokerError: unknown engine or auth mode; auth with tansu, or another mode than this
+            data dir was formatted with; this data dir's broker is already running; the port
             is in use; Java or the Kafka jars are missing; or the broker did not answer
             within ``timeout_s`` (what was started is killed, and the message ends with
             the tail of ``broker.log``).
@@ -157,6 +190,10 @@ def start_broker(
         raise BrokerError(f"`port` must be 0..65535 (0 = any free port), got {port}")
     if timeout_s <= 0:
         raise BrokerError(f"`timeout_s` must be positive, got {timeout_s}")
+    if auth not in AUTH_MODES:
+        raise BrokerError(f"unknown broker `auth` {auth!r}; use one of: {', '.join(AUTH_MODES)}")
+    if auth != "none" and engine != "kafka":
+        raise BrokerError(f"`--auth {auth}` needs `--engine kafka` (Tansu has no SASL/ACL support)")
     data_dir = Path(data_dir).expanduser().resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
 
@@ -180,8 +217,11 @@ def start_broker(
         advertised = socket.gethostname() if host in _WILDCARD_HOSTS else host
         bootstrap = f"{_url_host(advertised)}:{port}"
 
+        broker_auth = None
         if engine == "kafka":
-            argv = _prepare_kafka(data_dir, host=host, port=port, advertised=advertised)
+            if auth != "none":
+                broker_auth = prepare_broker_auth(data_dir, hosts=[advertised, _probe_host(host)])
+            argv = _prepare_kafka(data_dir, host=host, port=port, advertised=advertised, auth=broker_auth)
         else:
             argv = _tansu_argv(data_dir, host=host, port=port, advertised=advertised)
 
@@ -201,14 +241,15 @@ def start_broker(
             )
         started = time.monotonic()
         try:
-            _wait_until_ready(proc, host=_probe_host(host), port=port, deadline=started + timeout_s)
+            _wait_until_ready(proc, host=_probe_host(host), port=port, deadline=started + timeout_s,
+                              auth=broker_auth)
         except BrokerError as err:
             _kill(proc)
             raise BrokerError(f"{engine} broker on {bootstrap} {err}\n{_log_tail(log_path, log_offset)}") from None
         except BaseException:  # e.g. Ctrl-C: never leave a broker behind that no pid file names
             _kill(proc)
             raise
-        info = BrokerInfo(engine=engine, pid=proc.pid, port=port, bootstrap=bootstrap, data_dir=data_dir)
+        info = BrokerInfo(engine=engine, pid=proc.pid, port=port, bootstrap=bootstrap, data_dir=data_dir, auth=auth)
         _write_pid_file(info)
         log.info("%s broker up at %s (pid %d) in %.1f s", engine, bootstrap, proc.pid, time.monotonic() - started)
         return info
@@ -285,13 +326,36 @@ def broker_status(data_dir: Path) -> BrokerInfo | None:
         port=record["port"],
         bootstrap=record["bootstrap"],
         data_dir=data_dir,
+        auth=record.get("auth", "none"),
     )
+
+
+def admin_connection(data_dir: Path, *, client_id: str = "trajpipe-broker-admin") -> KafkaConnection:
+    """A connection as the ``admin`` super user of ``data_dir``'s running ``--auth sasl-ssl`` broker.
+
+    For managing users and ACLs (``trajpipe broker user|acl``); the password is read from
+    ``<data_dir>/auth/admin.password``.
+
+    Raises:
+        BrokerError: no broker runs for ``data_dir``, or it runs without auth.
+    """
+    info = broker_status(data_dir)
+    if info is None:
+        raise BrokerError(f"no broker is running for data dir {data_dir}; start it with "
+                          f"`trajpipe broker start --auth sasl-ssl --data-dir {data_dir}`")
+    auth = read_broker_auth(info.data_dir)
+    if info.auth == "none" or auth is None:
+        raise BrokerError(f"the broker of {info.data_dir} runs without auth (anyone may do anything); "
+                          "users and ACLs need a data dir started with `--auth sasl-ssl`")
+    return KafkaConnection(bootstrap_servers=info.bootstrap, client_id=client_id, security_protocol="SASL_SSL",
+                           sasl_mechanism=SCRAM_MECHANISM, sasl_username=auth.admin_user,
+                           sasl_password=auth.admin_password(), ssl_cafile=str(auth.ca_file))
 
 
 # --- Kafka -------------------------------------------------------------------------------------
 
 
-def _prepare_kafka(data_dir: Path, *, host: str, port: int, advertised: str) -> list[str]:
+def _prepare_kafka(data_dir: Path, *, host: str, port: int, advertised: str, auth: BrokerAuth | None) -> list[str]:
     """Check Java and jars, write the configs, format storage on first start; return the broker argv."""
     java = _find_java()
     jars = kafka_jars_dir()
@@ -305,13 +369,25 @@ def _prepare_kafka(data_dir: Path, *, host: str, port: int, advertised: str) -> 
     controller_port = _controller_port(data_dir, host=host, avoid=port)
     props = data_dir / "server.properties"
     props.write_text(
-        _server_properties(data_dir, host=host, port=port, advertised=advertised, controller_port=controller_port)
+        _server_properties(data_dir, host=host, port=port, advertised=advertised, controller_port=controller_port,
+                           auth=auth)
     )
+    os.chmod(props, 0o600)  # with auth it holds the admin's password
     log4j = data_dir / "log4j2.xml"
     log4j.write_text(_LOG4J2_XML)
     jvm = [java, *_KAFKA_JVM_OPTS, f"-Dlog4j2.configurationFile={log4j}", "-cp", classpath]
 
-    if not (data_dir / _KAFKA_LOG_DIR / "meta.properties").exists():
+    mode_file = data_dir / _AUTH_MODE_FILE
+    mode = "none" if auth is None else "sasl-ssl"
+    formatted = (data_dir / _KAFKA_LOG_DIR / "meta.properties").exists()
+    if formatted:
+        was = mode_file.read_text().strip() if mode_file.exists() else "none"
+        if was != mode:
+            raise BrokerError(
+                f"data dir {data_dir} was first started with `--auth {was}`, not `--auth {mode}` (its users live "
+                f"in the log); start it with `--auth {was}`, or use a new `--data-dir`"
+            )
+    else:
         cluster_id = _cluster_id(data_dir)
         argv = [
             *jvm,
@@ -320,6 +396,7 @@ def _prepare_kafka(data_dir: Path, *, host: str, port: int, advertised: str) -> 
             f"--cluster-id={cluster_id}",
             f"--config={props}",
             "--ignore-formatted",
+            *(scram_format_args(auth) if auth is not None else []),
         ]
         try:
             fmt = subprocess.run(
@@ -339,23 +416,26 @@ def _prepare_kafka(data_dir: Path, *, host: str, port: int, advertised: str) -> 
         if fmt.returncode != 0:
             tail = "\n".join((fmt.stdout + fmt.stderr).strip().splitlines()[-20:])
             raise BrokerError(f"formatting Kafka storage in {data_dir / _KAFKA_LOG_DIR} failed:\n{tail}")
+        mode_file.write_text(mode + "\n")
     return [*jvm, _KAFKA_MAIN, str(props)]
 
 
-def _server_properties(data_dir: Path, *, host: str, port: int, advertised: str, controller_port: int) -> str:
+def _server_properties(data_dir: Path, *, host: str, port: int, advertised: str, controller_port: int,
+                       auth: BrokerAuth | None = None) -> str:
     """KRaft combined broker+controller config for one node; regenerated on every start."""
     h, adv = _url_host(host), _url_host(advertised)
     ctl = _url_host(_probe_host(host))
+    client, ctl_protocol = ("PLAINTEXT", "PLAINTEXT") if auth is None else ("SASL_SSL", "SSL")
     return f"""\
 # Written by streams/broker.py on every start; edits are overwritten.
 process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@{ctl}:{controller_port}
-listeners=PLAINTEXT://{h}:{port},CONTROLLER://{ctl}:{controller_port}
-advertised.listeners=PLAINTEXT://{adv}:{port}
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+listeners={client}://{h}:{port},CONTROLLER://{ctl}:{controller_port}
+advertised.listeners={client}://{adv}:{port}
+listener.security.protocol.map={client}:{client},CONTROLLER:{ctl_protocol}
 controller.listener.names=CONTROLLER
-inter.broker.listener.name=PLAINTEXT
+inter.broker.listener.name={client}
 log.dirs={data_dir / _KAFKA_LOG_DIR}
 
 # one node: every internal topic has one replica
@@ -382,7 +462,7 @@ log.segment.bytes=67108864
 num.network.threads=2
 num.io.threads=4
 num.recovery.threads.per.data.dir=1
-"""
+""" + (auth_server_properties(auth, listener=client) if auth is not None else "")
 
 
 _LOG4J2_XML = """\
@@ -566,7 +646,8 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
 
 
-def _wait_until_ready(proc: subprocess.Popen, *, host: str, port: int, deadline: float) -> None:
+def _wait_until_ready(proc: subprocess.Popen, *, host: str, port: int, deadline: float,
+                      auth: BrokerAuth | None = None) -> None:
     """Wait until the broker accepts TCP and answers a metadata request; raise BrokerError otherwise."""
     from kafka import KafkaConsumer
     from kafka.errors import KafkaError
@@ -592,7 +673,13 @@ def _wait_until_ready(proc: subprocess.Popen, *, host: str, port: int, deadline:
         consumer = None
         try:
             ms = int(max(500, min(5.0, remaining) * 1000))
+            security = {} if auth is None else {
+                "security_protocol": "SASL_SSL", "ssl_cafile": str(auth.ca_file),
+                "sasl_mechanism": "SCRAM-SHA-512", "sasl_plain_username": auth.admin_user,
+                "sasl_plain_password": auth.admin_password(),
+            }
             consumer = KafkaConsumer(
+                **security,
                 bootstrap_servers=f"{_url_host(host)}:{port}",
                 client_id="trajpipe-broker-probe",
                 enable_auto_commit=False,
@@ -654,6 +741,7 @@ def _write_pid_file(info: BrokerInfo) -> None:
         "engine": info.engine,
         "port": info.port,
         "bootstrap": info.bootstrap,
+        "auth": info.auth,
         "started_at": _now(),
     }
     tmp.write_text(json.dumps(record) + "\n")
@@ -669,6 +757,7 @@ def _read_pid_file(data_dir: Path) -> dict | None:
         if record["engine"] not in ENGINES or record["pid"] <= 0:
             raise ValueError(f"bad engine/pid in {record}")
         record["bootstrap"] = str(record["bootstrap"])
+        record["auth"] = str(record.get("auth", "none"))
         return record
     except FileNotFoundError:
         return None

@@ -7,6 +7,9 @@ Examples:
     >>> conn = KafkaConnection(bootstrap_servers="127.0.0.1:9092", client_id="archiver")
     >>> conn.client_kwargs()["bootstrap_servers"]
     ['127.0.0.1:9092']
+    >>> KafkaConnection(security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512", sasl_username="alice",
+    ...                 sasl_password="s3cret")  # doctest: +ELLIPSIS
+    KafkaConnection(..., sasl_username='alice', sasl_password=***, ...)
     >>> Topics().events
     'trajpipe.events'
 """
@@ -38,6 +41,10 @@ class KafkaConnection(msgspec.Struct, kw_only=True, frozen=True):
         ssl_certfile: client certificate (PEM) for mutual TLS.
         ssl_keyfile: client private key (PEM) for mutual TLS.
         request_timeout_ms: how long a request may take before the client gives up.
+        connect_timeout_s: how long a client waits for a bootstrap server to accept it
+            before it gives up with :class:`streams.errors.KafkaUnavailable`.
+
+    The password never shows in ``repr()`` (logs, tracebacks); ``sasl_password`` is set.
     """
 
     bootstrap_servers: str = "127.0.0.1:9092"
@@ -50,8 +57,18 @@ class KafkaConnection(msgspec.Struct, kw_only=True, frozen=True):
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     request_timeout_ms: int = 30_000
+    connect_timeout_s: float = 30.0
+
+    def __repr__(self) -> str:
+        fields = ", ".join(
+            f"{f}={'***' if f == 'sasl_password' and v is not None else repr(v)}"
+            for f in self.__struct_fields__ for v in [getattr(self, f)]
+        )
+        return f"KafkaConnection({fields})"
 
     def __post_init__(self) -> None:
+        if not self.connect_timeout_s > 0:
+            raise ConfigError(f"`connect_timeout_s` must be > 0 seconds, got {self.connect_timeout_s}")
         servers = [s.strip() for s in self.bootstrap_servers.split(",") if s.strip()]
         if not servers:
             raise ConfigError("`bootstrap_servers` is empty; pass --bootstrap host:port")
@@ -76,6 +93,7 @@ class KafkaConnection(msgspec.Struct, kw_only=True, frozen=True):
             "client_id": self.client_id,
             "security_protocol": self.security_protocol,
             "request_timeout_ms": self.request_timeout_ms,
+            "bootstrap_timeout_ms": int(self.connect_timeout_s * 1000),
         }
         if self.security_protocol.startswith("SASL"):
             kw.update(

@@ -37,7 +37,9 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.structs import OffsetAndMetadata
 
+from streams.admin import raise_if_unauthorized
 from streams.config import KafkaConnection
+from streams.errors import check_kafka
 
 __all__ = [
     "OffsetRange",
@@ -107,6 +109,7 @@ class OffsetRange(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _consumer(conn: KafkaConnection, **overrides: Any) -> KafkaConsumer:
+    check_kafka(conn)  # one clear error for a broker that is down or refuses us, not a bootstrap timeout
     kw: dict[str, Any] = {
         **conn.client_kwargs(),
         "enable_auto_commit": False,
@@ -122,14 +125,19 @@ def partitions_for(conn: KafkaConnection, topic: str, *, timeout_s: float = 10.0
 
     Raises:
         UnknownTopicError: the topic does not exist.
+        kafka.errors.TopicAuthorizationFailedError: an ACL hides the topic from this client.
     """
     consumer = _consumer(conn)
+    checked_acl = False
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             parts = consumer.partitions_for_topic(topic)
             if parts:
                 return sorted(parts)
+            if not checked_acl:  # a topic an ACL hides looks missing too: ask, once, which it is
+                checked_acl = True
+                raise_if_unauthorized(conn, topic)
             if time.monotonic() >= deadline:
                 raise UnknownTopicError(f"topic {topic!r} not found on {conn.bootstrap_servers}")
             time.sleep(0.1)

@@ -50,6 +50,7 @@ from kafka.net.compat import KafkaNetClient
 from kafka.protocol.consumer import FetchRequest
 
 from streams.config import KafkaConnection
+from streams.errors import access_denied, check_kafka
 from streams.consumer import OffsetRange, ReadStalledError
 
 __all__ = [
@@ -167,6 +168,8 @@ class PartitionReader:
         self._max_wait_ms = max_wait_ms
         self._check_crcs = check_crcs
         self._timeout_ms = conn.request_timeout_ms
+        self._conn = conn
+        check_kafka(conn)  # kafka-python reports a refused password as a bootstrap timeout; say what it is
         self._client = KafkaNetClient(**conn.client_kwargs(),
                                       receive_message_max_bytes=max_partition_fetch_bytes + _FRAME_SLACK)
         self._topics: set[str] = set()
@@ -249,6 +252,8 @@ class PartitionReader:
                 log.info("fetch %s[%d]@%d: %s; refreshing metadata", topic, partition, offset, error.__name__)
                 self._client.cluster.request_update()
                 return _empty(topic, partition, offset)  # no high watermark: an error is not "caught up"
+            if issubclass(error, Errors.AuthorizationError):
+                raise access_denied(self._conn, what=f"read topic {topic!r}", err=error())
             raise FetchError(f"{topic}[{partition}]: the broker answered {error.__name__} ({error.description})")
         offsets: list[int] = []
         keys: list[bytes | None] = []

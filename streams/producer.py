@@ -91,6 +91,7 @@ from schemas.codec import DEFAULT_MAX_EVENT_BYTES, encode_event, kafka_headers
 from schemas.events import Event
 from schemas.storage import fsync_dir
 from streams.config import ConfigError, KafkaConnection
+from streams.errors import KafkaAuthError, KafkaUnavailable, access_denied, check_kafka, is_access_denied
 
 __all__ = [
     "EventProducer",
@@ -387,6 +388,7 @@ class EventProducer:
         self._replayed = 0
         self._send_errors = 0
         self._replay_failures: list[BaseException] = []
+        self._denied: BaseException | None = None  # an ACL refused a send: flush() raises, events stay spooled
         self._closed = False
         self.idempotent = False
         # `_degraded` is the one flag the hot path checks: True while spooling,
@@ -396,7 +398,11 @@ class EventProducer:
         self._producer: KafkaProducer | None = None
         if self._spooling:
             log.info("spool %s holds %d events from an earlier run; replaying", self._spool.path, self._spool.count)
-        self._producer = self._connect()
+        try:
+            self._producer = self._connect()
+        except KafkaAuthError:
+            self._spool.close()
+            raise
         if self._producer is None:
             self._enter_spooling("broker unreachable at start")
         elif self._spooling:
@@ -455,11 +461,15 @@ class EventProducer:
 
         Raises:
             ProducerClosedError: the producer is closed.
+            streams.errors.KafkaAccessDenied: the broker refused a send for want of an
+                ACL (the refused events are in the spool, and replay once it is granted).
         """
         with self._lock:
             if self._closed:
                 raise ProducerClosedError("flush() after close()")
             self._flush_locked()
+            if self._denied is not None:
+                raise access_denied(self._conn, what=f"write to topic {self.topic!r}", err=self._denied)
         return self.stats()
 
     def close(self) -> int:
@@ -539,12 +549,16 @@ class EventProducer:
     def _on_error(self, key: bytes | None, value: bytes, headers: list[Header], err: BaseException) -> None:
         self._send_errors += 1
         self._degraded = True
+        if is_access_denied(err):
+            self._denied = err
         self._spool.append(key, value, headers)
         if self._send_errors == 1 or self._send_errors % 1000 == 0:
             log.warning("send to %s failed (%s: %s); spooling to %s", self.topic, type(err).__name__, err,
                         self._spool.path)
 
     def _on_replay_error(self, err: BaseException) -> None:
+        if is_access_denied(err):
+            self._denied = err
         self._replay_failures.append(err)
 
     # -- slow paths ----------------------------------------------------------
@@ -594,7 +608,11 @@ class EventProducer:
             self._schedule_retry()
             return
         if self._producer is None:
-            self._producer = self._connect()
+            try:
+                self._producer = self._connect()
+            except KafkaAuthError as err:  # e.g. a password changed mid-run: keep spooling, say why
+                log.error("replay of %s: %s", self._spool.path, err)
+                self._producer = None
             if self._producer is None:
                 self._schedule_retry()
                 return
@@ -620,7 +638,7 @@ class EventProducer:
                         break
             producer.flush(timeout=self._delivery_timeout_s + 5)
         except kafka_errors.KafkaError as err:
-            self._replay_failures.append(err)
+            self._on_replay_error(err)
         if self._replay_failures:
             log.warning("replay of %s failed after %d records (%s); the whole spool stays and is retried "
                         "(duplicates are removed downstream by event_id)",
@@ -648,7 +666,17 @@ class EventProducer:
         return False
 
     def _connect(self) -> KafkaProducer | None:
-        """Build a Kafka producer, idempotent if the broker allows; None if unreachable."""
+        """Build a Kafka producer, idempotent if the broker allows; None if unreachable.
+
+        Raises:
+            streams.errors.KafkaAuthError: the broker refused this client (TLS, SASL): spooling
+                would not help, and would hide the cause.
+        """
+        try:
+            check_kafka(msgspec.structs.replace(self._conn, connect_timeout_s=self._connect_timeout_ms / 1000))
+        except KafkaUnavailable as err:
+            log.warning("%s", err)
+            return None
         try:
             try:
                 producer = KafkaProducer(enable_idempotence=True, **self._config)

@@ -49,6 +49,8 @@ def broker_start(
     engine: Annotated[str, typer.Option(help="kafka (Apache Kafka, KRaft; needs Java 17) or tansu (no Java)")] = "kafka",
     port: Annotated[int, typer.Option(help="listener port")] = 9092,
     data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="broker data/log directory")] = None,
+    auth: Annotated[str, typer.Option(
+        help="none, or sasl-ssl: TLS + SCRAM-SHA-512 users + ACLs (docs/security-kafka.md)")] = "none",
     config: ConfigOpt = None,
 ) -> None:
     """Start the embedded broker in the background and print its bootstrap address."""
@@ -56,11 +58,69 @@ def broker_start(
 
     settings = load_settings(config)
     try:
-        info = start_broker(engine=engine, port=port, data_dir=data_dir or Path(settings.broker_dir))
+        info = start_broker(engine=engine, port=port, data_dir=data_dir or Path(settings.broker_dir), auth=auth)
     except BrokerError as err:
         _fail(str(err))
     typer.echo(f"{info.engine} broker up (pid {info.pid}), data in {info.data_dir}", err=True)
+    if info.ca_file is not None:
+        typer.echo(f"SASL_SSL, SCRAM-SHA-512, ACLs on: clients need kafka.ssl_cafile={info.ca_file} and a user "
+                   f"(`trajpipe broker user add NAME --password-file F --data-dir {info.data_dir}`, then "
+                   f"`trajpipe broker acl add --user NAME --data-dir {info.data_dir}`)", err=True)
     print(info.bootstrap, flush=True)
+
+
+broker_user_app = typer.Typer(help="SCRAM users of an `--auth sasl-ssl` embedded broker.", no_args_is_help=True)
+broker_app.add_typer(broker_user_app, name="user")
+broker_acl_app = typer.Typer(help="ACLs of an `--auth sasl-ssl` embedded broker.", no_args_is_help=True)
+broker_app.add_typer(broker_acl_app, name="acl")
+
+
+@broker_user_app.command("add")
+def broker_user_add(
+    name: Annotated[str, typer.Argument(help="user name")],
+    password_file: Annotated[Path, typer.Option("--password-file", help="file whose first line is the password")],
+    data_dir: Annotated[Optional[Path], typer.Option("--data-dir")] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Create a SCRAM-SHA-512 user (or set its password), as the broker's admin."""
+    from streams.admin import upsert_scram_user
+    from streams.broker import BrokerError, admin_connection
+
+    settings = load_settings(config)
+    try:
+        password = password_file.read_text().splitlines()[0]
+    except (OSError, IndexError) as err:
+        _fail(f"`--password-file` {password_file} cannot be read or is empty ({err})")
+    try:
+        conn = admin_connection(data_dir or Path(settings.broker_dir))
+    except BrokerError as err:
+        _fail(str(err))
+    upsert_scram_user(conn, name, password)
+    typer.echo(f"user {name!r} set (SCRAM-SHA-512); it may do nothing until `trajpipe broker acl add --user {name}`",
+               err=True)
+
+
+@broker_acl_app.command("add")
+def broker_acl_add(
+    user: Annotated[str, typer.Option(help="user name (principal User:NAME)")],
+    topic_prefix: Annotated[str, typer.Option("--topic-prefix", help="topics whose name starts with this")] = "trajpipe.",
+    group_prefix: Annotated[str, typer.Option("--group-prefix", help="consumer groups whose name starts with this")] = "trajpipe",
+    operations: Annotated[str, typer.Option(help="comma-separated: read, write, describe, create")] = "read,write,describe,create",
+    data_dir: Annotated[Optional[Path], typer.Option("--data-dir")] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Allow USER the operations on topics (and groups) with the given name prefixes."""
+    from streams.admin import grant_acls
+    from streams.broker import BrokerError, admin_connection
+
+    settings = load_settings(config)
+    try:
+        conn = admin_connection(data_dir or Path(settings.broker_dir))
+    except BrokerError as err:
+        _fail(str(err))
+    ops = tuple(o.strip().lower() for o in operations.split(",") if o.strip())
+    n = grant_acls(conn, user, topic_prefix=topic_prefix, group_prefix=group_prefix, operations=ops)
+    _print_counts({"acls": n})
 
 
 @broker_app.command("stop")
@@ -92,7 +152,26 @@ def broker_status(
     if info is None:
         typer.echo("not running")
         raise typer.Exit(1)
-    typer.echo(f"running: {info.engine} pid {info.pid} at {info.bootstrap} (data {info.data_dir})")
+    auth = f", auth {info.auth}, CA {info.ca_file}" if info.ca_file is not None else ""
+    typer.echo(f"running: {info.engine} pid {info.pid} at {info.bootstrap} (data {info.data_dir}{auth})")
+
+
+def _ensure_topics_or_spool(conn, topics, *, spool: bool) -> None:
+    """Create the topics; if the broker cannot be reached, go on only when a spool dir was configured.
+
+    Without one, an unreachable broker is an error (after ``kafka.connect_timeout_s``), not
+    events silently kept in a default spool dir the user may not know about.
+    """
+    from streams.admin import ensure_topics
+    from streams.errors import KafkaUnavailable
+
+    try:
+        ensure_topics(conn, topics)
+    except KafkaUnavailable as err:
+        if not spool:
+            raise KafkaUnavailable(f"{err}; or pass --spool-dir (TRAJPIPE_SPOOL_DIR) to keep the events on disk "
+                                   "until it is back") from None
+        typer.echo(f"{err}; spooling", err=True)
 
 
 def _progress():
@@ -137,7 +216,6 @@ def synth(
     """Emit schema-valid synthetic episodes to the events topic."""
     import time
 
-    from streams.admin import ensure_topics
     from streams.producer import EventProducer
     from streams.synth import generate_episodes
 
@@ -147,7 +225,7 @@ def synth(
     domain_list = [d.strip() for d in domains.split(",") if d.strip()]
     if not domain_list:
         _fail("`--domains` is empty; name at least one domain, e.g. --domains code,math")
-    ensure_topics(conn, topics)
+    _ensure_topics_or_spool(conn, topics, spool=spool_dir is not None or settings.spool_configured)
     n_events = 0
     t0 = time.perf_counter()
     with EventProducer(conn, topics.events, spool_dir=spool_dir or Path(settings.spool_dir)) as producer, _progress() as bar:
@@ -245,8 +323,10 @@ def train(
         from streams.producer import EventProducer
 
         settings = load_settings(None, bootstrap=cfg.publish.bootstrap)
-        producer = EventProducer(settings.connection(client_id="trajpipe-trainer"), settings.topic_names().control,
-                                 spool_dir=Path(settings.spool_dir))
+        conn = settings.connection(client_id="trajpipe-trainer")
+        # fail before training, not at the first publish (down, bad credentials, no ACL on the topics)
+        _ensure_topics_or_spool(conn, settings.topic_names(), spool=settings.spool_configured)
+        producer = EventProducer(conn, settings.topic_names().control, spool_dir=Path(settings.spool_dir))
 
         def emit(event) -> None:
             producer.emit(event)
@@ -344,7 +424,6 @@ def rollout(
     from rollout.reload import PolicyFollower
     from rollout.worker import RolloutConfig, RolloutWorker, make_scheduler
     from schemas.events import SamplingParams
-    from streams.admin import ensure_topics
     from streams.producer import EventProducer
 
     domain_list = [d.strip() for d in domains.split(",") if d.strip()]
@@ -368,7 +447,7 @@ def rollout(
     producer_id = producer_id or f"rollout@{socket.gethostname()}:{os.getpid()}"
     conn = settings.connection(client_id="trajpipe-rollout")
     topics = settings.topic_names()
-    ensure_topics(conn, topics)
+    _ensure_topics_or_spool(conn, topics, spool=spool_dir is not None or settings.spool_configured)
     sampling = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
     if policy == "scripted":
         from rollout.policies.scripted import ScriptedPolicy

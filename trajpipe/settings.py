@@ -8,13 +8,20 @@ The config file is YAML (or TOML), named by ``--config`` or ``TRAJPIPE_CONFIG``:
       security_protocol: SASL_SSL
       sasl_mechanism: SCRAM-SHA-512
       sasl_username: rl-pipeline
+      sasl_password_file: /run/secrets/kafka-password   # or TRAJPIPE_SASL_PASSWORD in the environment
       ssl_cafile: /etc/kafka/ca.pem
+      connect_timeout_s: 30   # how long a command waits for the broker before `error: cannot reach Kafka ...`
     topics:
       partitions: 12
 
 Environment variables use ``__`` between levels, e.g.
 ``TRAJPIPE_KAFKA__BOOTSTRAP_SERVERS=broker:9092`` or ``TRAJPIPE_TOPICS__PARTITIONS=8``;
 the common ones also have short forms: ``TRAJPIPE_BOOTSTRAP``, ``TRAJPIPE_SASL_PASSWORD``.
+
+The SASL password comes from a file (``kafka.sasl_password_file``) or the environment
+(``TRAJPIPE_SASL_PASSWORD`` / ``TRAJPIPE_KAFKA__SASL_PASSWORD``), never from a flag, so it
+is not in ``ps`` output or shell history; it is a ``SecretStr`` (``**********`` when the
+settings are printed or dumped) and ``KafkaConnection`` hides it from ``repr()``.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from streams.config import ConfigError, KafkaConnection, Topics
@@ -41,7 +48,9 @@ class KafkaSettings(BaseModel):
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     sasl_mechanism: str | None = Field(None, description="PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512")
     sasl_username: str | None = None
-    sasl_password: str | None = None
+    sasl_password: SecretStr | None = Field(None, description="SASL password (env or config file only)")
+    sasl_password_file: str | None = Field(None, description="file whose first line is the SASL password")
+    connect_timeout_s: float = Field(30.0, description="seconds to wait for a broker to accept a client")
     ssl_cafile: str | None = Field(None, description="CA bundle (PEM)")
     ssl_certfile: str | None = Field(None, description="client certificate (PEM)")
     ssl_keyfile: str | None = Field(None, description="client key (PEM)")
@@ -67,9 +76,37 @@ class Settings(BaseSettings):
     broker_dir: str = Field(".trajpipe/broker", description="data dir of the embedded broker")
     spool_dir: str = Field(".trajpipe/spool", description="producer spool (events kept while Kafka is unreachable)")
 
+    _spool_configured: bool = PrivateAttr(False)
+
+    @property
+    def spool_configured(self) -> bool:
+        """Whether ``spool_dir`` was set explicitly (flag, ``TRAJPIPE_SPOOL_DIR`` or config file).
+
+        Producing commands spool at start, when the broker cannot be reached, only then;
+        otherwise they fail with :class:`streams.errors.KafkaUnavailable`.
+        """
+        return self._spool_configured
+
     def connection(self, *, client_id: str | None = None) -> KafkaConnection:
-        """The typed connection object components take."""
+        """The typed connection object components take (the password read from its file).
+
+        Raises:
+            ConfigError: ``sasl_password_file`` cannot be read, or is given with ``sasl_password``.
+        """
         data = self.kafka.model_dump()
+        password_file = data.pop("sasl_password_file")
+        secret = self.kafka.sasl_password
+        data["sasl_password"] = secret.get_secret_value() if secret is not None else None
+        if password_file:
+            if secret is not None:
+                raise ConfigError("both kafka.sasl_password and kafka.sasl_password_file are set; keep one "
+                                  "(unset TRAJPIPE_SASL_PASSWORD / TRAJPIPE_KAFKA__SASL_PASSWORD, or the file setting)")
+            try:
+                data["sasl_password"] = Path(password_file).expanduser().read_text().splitlines()[0]
+            except (OSError, IndexError) as err:
+                raise ConfigError(f"kafka.sasl_password_file {password_file} cannot be read ({err}); point "
+                                  "TRAJPIPE_KAFKA__SASL_PASSWORD_FILE (or the config file) at a readable file "
+                                  "holding the password") from None
         if client_id:
             data["client_id"] = client_id
         return KafkaConnection(**data)
@@ -133,8 +170,15 @@ def load_settings(config: str | None = None, **overrides: Any) -> Settings:
             merged["topics"][key] = value
         else:
             merged[key] = value
+    spool_explicit = (overrides.get("spool_dir") is not None or "spool_dir" in file_data
+                      or bool(os.environ.get("TRAJPIPE_SPOOL_DIR")))
+    for key in ("sasl_password",):  # model_dump() turned the secret into a mask; keep the value
+        secret = merged["kafka"].get(key)
+        if isinstance(secret, SecretStr):
+            merged["kafka"][key] = secret.get_secret_value()
     try:
         result = Settings.model_validate(merged)
+        result._spool_configured = spool_explicit
         result.connection()
         result.topic_names()
     except ConfigError:
