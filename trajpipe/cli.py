@@ -50,7 +50,7 @@ def broker_start(
     port: Annotated[int, typer.Option(help="listener port")] = 9092,
     data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="broker data/log directory")] = None,
     auth: Annotated[str, typer.Option(
-        help="none, or sasl-ssl: TLS + SCRAM-SHA-512 users + ACLs (docs/security-kafka.md)")] = "none",
+        help="none, or sasl-ssl: TLS + SCRAM-SHA-512 users + ACLs (docs/security.md)")] = "none",
     config: ConfigOpt = None,
 ) -> None:
     """Start the embedded broker in the background and print its bootstrap address."""
