@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from streams.config import ConfigError, KafkaConnection, Topics
@@ -86,11 +86,12 @@ def _read_file(path: Path) -> dict[str, Any]:
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as err:
-        raise ConfigError(f"config file {path} is not valid: {err}") from err
+        raise ConfigError(f"config file {path} (--config or TRAJPIPE_CONFIG) is not valid YAML/TOML: {err}") from err
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        raise ConfigError(f"config file {path} (--config or TRAJPIPE_CONFIG) holds a {type(data).__name__}; it must "
+                          "hold a mapping of sections (kafka:, topics:, ...) at the top level")
     return data
 
 
@@ -107,7 +108,14 @@ def load_settings(config: str | None = None, **overrides: Any) -> Settings:
     """
     config = config or os.environ.get("TRAJPIPE_CONFIG")
     file_data = _read_file(Path(config)) if config else {}
-    settings = Settings()  # environment and defaults
+    try:
+        settings = Settings()  # environment and defaults
+    except ValidationError as err:
+        raise ConfigError(f"invalid TRAJPIPE_* environment: {_describe(err)}") from err
+    except ValueError as err:  # pydantic-settings' SettingsError: a nested value that is not JSON
+        raise ConfigError(f"invalid TRAJPIPE_* environment: {err}; nested settings take JSON "
+                          "(TRAJPIPE_KAFKA='{\"bootstrap_servers\": \"host:9092\"}') or one variable per field "
+                          "(TRAJPIPE_KAFKA__BOOTSTRAP_SERVERS=host:9092)") from err
     merged = settings.model_dump()
     # File values apply where the environment did not set anything explicit.
     env_set = {k.lower() for k in os.environ if k.startswith("TRAJPIPE_")}
@@ -139,6 +147,18 @@ def load_settings(config: str | None = None, **overrides: Any) -> Settings:
         result.topic_names()
     except ConfigError:
         raise
+    except ValidationError as err:
+        raise ConfigError(f"invalid settings: {_describe(err)}") from err
     except ValueError as err:
         raise ConfigError(f"invalid settings: {err}") from err
     return result
+
+
+def _describe(err: ValidationError) -> str:
+    """Each problem on one line: the setting, where it can come from, what is wrong, the value given."""
+    parts = []
+    for e in err.errors():
+        loc = [str(x) for x in e["loc"]]
+        env = "TRAJPIPE_" + "__".join(loc).upper()
+        parts.append(f"`{'.'.join(loc)}` (config file key, or {env}): {e['msg']}, got {e.get('input')!r}")
+    return "; ".join(parts)
