@@ -126,16 +126,14 @@ def _init_archive(root: Path, *, topic: str, buckets: int) -> dict[str, Any]:
                                f'(e.g. {{"format": {ARCHIVE_FORMAT}, "buckets": 16, "topic": "{topic}"}})') from err
         if not isinstance(meta, dict):
             raise ArchiveError(f"{meta_path} holds a {type(meta).__name__}, not the archive metadata object")
-        bad_buckets = meta.get("buckets")
-        if type(bad_buckets) is int and bad_buckets >= 1:  # noqa: E721 - a bool is not a bucket count
-            bad_buckets = None
+        buckets_ok = type(meta.get("buckets")) is int and meta["buckets"] >= 1  # noqa: E721 - not a bool
         if meta.get("format") != ARCHIVE_FORMAT:
             raise ArchiveError(f"{root} has archive format {meta.get('format')}; this trajpipe writes {ARCHIVE_FORMAT}")
         if meta.get("topic") != topic:
             raise ArchiveError(
                 f"{root} archives topic {meta.get('topic')!r}, not {topic!r}; use another --out directory"
             )
-        if bad_buckets is not None or "buckets" not in meta:
+        if not buckets_ok:
             raise ArchiveError(f"{meta_path}: `buckets` must be an integer >= 1 (the bucket count its files were "
                                f"written with), got {meta.get('buckets')!r}")
         return meta

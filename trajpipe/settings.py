@@ -82,11 +82,20 @@ class Settings(BaseSettings):
 def _read_file(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist (from --config or TRAJPIPE_CONFIG)")
-    text = path.read_text()
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as err:  # a directory, no permission, ...
+        raise ConfigError(f"config file {path} (--config or TRAJPIPE_CONFIG) cannot be read: {err}") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} (--config or TRAJPIPE_CONFIG) is not UTF-8 text ({err}); "
+                          "give a YAML or TOML file") from err
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as err:
         raise ConfigError(f"config file {path} (--config or TRAJPIPE_CONFIG) is not valid YAML/TOML: {err}") from err
+    except RecursionError:  # both parsers recurse once per level of nesting
+        raise ConfigError(f"config file {path} (--config or TRAJPIPE_CONFIG) nests lists or mappings thousands of "
+                          "levels deep; settings are two levels (section: key: value)") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

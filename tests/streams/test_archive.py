@@ -162,7 +162,8 @@ def test_damaged_archive_metadata_is_an_archive_error(tmp_path):
     _init_archive(tmp_path, topic="t", buckets=4)
     for text, says in [("{not json", "is not JSON"), ("[1]", "holds a list"),
                        ('{"format": 1, "topic": "t"}', "`buckets` must be an integer >= 1"),
-                       ('{"format": 1, "topic": "t", "buckets": 0}', "got 0")]:
+                       ('{"format": 1, "topic": "t", "buckets": 0}', "got 0"),
+                       ('{"format": 1, "topic": "t", "buckets": null}', "got None")]:
         (tmp_path / "_archive.json").write_text(text)
         with pytest.raises(ArchiveError, match=says):
             _init_archive(tmp_path, topic="t", buckets=4)
