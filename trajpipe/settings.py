@@ -79,6 +79,11 @@ class Settings(BaseSettings):
         return Topics(**self.topics.model_dump())
 
 
+#: libyaml's safe loader where PyYAML has it: ~100x faster, and it stops at a nesting depth limit instead of
+#: recursing (the pure-Python loader takes seconds to hit the recursion limit on a deeply nested document).
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def _read_file(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist (from --config or TRAJPIPE_CONFIG)")
@@ -90,7 +95,7 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} (--config or TRAJPIPE_CONFIG) is not UTF-8 text ({err}); "
                           "give a YAML or TOML file") from err
     try:
-        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.load(text, Loader=_YAML_LOADER)
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as err:
         raise ConfigError(f"config file {path} (--config or TRAJPIPE_CONFIG) is not valid YAML/TOML: {err}") from err
     except RecursionError:  # both parsers recurse once per level of nesting
