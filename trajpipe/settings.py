@@ -134,6 +134,9 @@ def load_settings(config: str | None = None, **overrides: Any) -> Settings:
     # File values apply where the environment did not set anything explicit.
     env_set = {k.lower() for k in os.environ if k.startswith("TRAJPIPE_")}
     for section, values in file_data.items():
+        if isinstance(merged.get(section), dict) and not isinstance(values, dict):
+            raise ConfigError(f"config file {config}: `{section}` must be a mapping of settings ({section}: "
+                              f"{{key: value, ...}}), got {values!r:.60}")
         if isinstance(values, dict) and isinstance(merged.get(section), dict):
             for key, value in values.items():
                 if f"trajpipe_{section}__{key}".lower() not in env_set:

@@ -21,13 +21,14 @@ def _no_trajpipe_env(monkeypatch):
     ("deep.toml", b"a = " + b"[" * 5000 + b"]" * 5000 + b"\n", "nests lists or mappings"),  # was RecursionError
     ("deep.yaml", b"kafka: " + b"[" * 5000 + b"]" * 5000 + b"\n", "nest"),  # libyaml: "maximum nesting depth"
     ("list.yaml", b"- kafka\n", "holds a list"),
+    ("null.yaml", b"kafka: null\n", "`kafka` must be a mapping of settings"),  # was TypeError (with a flag set)
     ("type.yaml", b"topics:\n  partitions: many\n", "`topics.partitions` (config file key, or TRAJPIPE_TOPICS__PARTITIONS)"),
 ])
 def test_a_bad_config_file_is_one_config_error_naming_it(tmp_path, name, content, says):
     path = tmp_path / name
     path.write_bytes(content)
     with pytest.raises(ConfigError, match=f"^(config file {path}|invalid settings)") as err:
-        load_settings(str(path))
+        load_settings(str(path), bootstrap="h:1")
     assert says in str(err.value)
 
 
