@@ -11,7 +11,7 @@ CACHE := .cache
 KAFKA_JARS := $(CACHE)/kafka-jars
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-packages test demo bench lock clean kafka-jars
+.PHONY: install system-packages test fuzz demo bench lock clean kafka-jars
 
 PRISM := $(CACHE)/bin/prism
 FLINK_JS := $(CACHE)/jars/flink-job-server/.done
@@ -53,6 +53,12 @@ $(KAFKA_JARS)/.done: streams/kafka/pom.xml
 
 test: install
 	$(PY) -m pytest
+
+# The fuzz tests with many random examples (TRAJPIPE_FUZZ_EXAMPLES per test); the last line is one JSON
+# object of inputs tried per target and failed tests. `make test` runs the same tests with a few examples.
+TRAJPIPE_FUZZ_EXAMPLES ?= 1000
+fuzz: install
+	TRAJPIPE_FUZZ_EXAMPLES=$(TRAJPIPE_FUZZ_EXAMPLES) $(PY) -m pytest -m fuzz --hypothesis-profile=fuzz --timeout=3600 -q tests
 
 demo: install
 	$(PY) -m trajpipe demo

@@ -123,11 +123,18 @@ def table_to_fragments(table: pa.Table, *, topic: str = "") -> tuple[list[tuple[
     version wrote) build the events directly from column values, per event
     type; anything else (older or foreign types, nulls in a column) goes
     through ``msgspec.convert``, which checks and coerces every value.
+
+    Every row leaves as an event or a dead letter: rows of an unknown (or
+    null) ``event_type``, or whose type has no struct column in the file,
+    are dead letters too (``unknown_type`` / ``invalid_event``).
+
+    Raises:
+        KeyError: the table has no ``event_type`` column (not an archive table).
     """
     n = table.num_rows
-    env_cols = {
-        name: np.asarray(_times(table.column(name)) if name == "event_time" else table.column(name).to_pylist(),
-                         dtype=object)
+    env_cols = {  # 1-d object arrays (np.asarray would make a 2-d array of a column of equal-length lists)
+        name: np.fromiter(_times(table.column(name)) if name == "event_time" else table.column(name).to_pylist(),
+                          dtype=object, count=n)
         for name in ENVELOPE_FIELDS
         if name in table.column_names
     }
@@ -136,10 +143,28 @@ def table_to_fragments(table: pa.Table, *, topic: str = "") -> tuple[list[tuple[
     events: list[Event | None] = [None] * n
     dead: list[DeadLetter] = []
     etype_arr = env_cols["event_type"]
+    episode_ids = env_cols.get("episode_id", np.full(n, None, dtype=object))
+
+    def dead_letter(i: int, reason: str, message: str, event_type: str | None) -> DeadLetter:
+        episode_id = episode_ids[i]
+        return DeadLetter(
+            reason=reason, message=message, source_topic=topic,
+            source_partition=parts[i] if isinstance(parts[i], int) else -1,
+            source_offset=offs[i] if isinstance(offs[i], int) else -1,
+            key=(episode_id if isinstance(episode_id, str) else "").encode(), value=None,
+            detected_by=_DETECTED_BY, event_type=event_type,
+        )
+
     typed = _typed_as_archive(table.schema)
+    known = np.zeros(n, dtype=bool)
     for name, cls in EVENT_TYPES.items():
         rows = np.flatnonzero(etype_arr == name)
-        if not len(rows) or name not in table.column_names:
+        known[rows] = True
+        if not len(rows):
+            continue
+        if name not in table.column_names or not pa.types.is_struct(table.column(name).type):
+            dead.extend(dead_letter(i, "invalid_event", f"{name} row {i}: the file has no `{name}` struct column "
+                                    "with its fields", name) for i in rows.tolist())
             continue
         struct = table.column(name).combine_chunks()
         columns: dict[str, list[Any]] = {k: v[rows].tolist() for k, v in env_cols.items() if k != "event_type"}
@@ -157,9 +182,13 @@ def table_to_fragments(table: pa.Table, *, topic: str = "") -> tuple[list[tuple[
                 columns[field] = child.take(rows).to_pylist()
         fast = typed and not any(None in v for k, v in columns.items() if k not in arrays and k not in _nullable(cls))
         if fast:
-            for k, convert in _converters(cls).items():
-                if k in columns:
-                    columns[k] = [convert(v) for v in columns[k]]
+            try:
+                converted = {k: [convert(v) for v in columns[k]] for k, convert in _converters(cls).items()
+                             if k in columns}
+            except (msgspec.ValidationError, ValueError, TypeError):
+                fast = False  # a value the schema's type allows but the field does not (e.g. an unknown status)
+            else:
+                columns.update(converted)
         names = list(columns)
         for i, values in zip(rows.tolist(), zip(*columns.values())):
             data = dict(zip(names, values))
@@ -173,15 +202,12 @@ def table_to_fragments(table: pa.Table, *, topic: str = "") -> tuple[list[tuple[
             except (msgspec.ValidationError, ValueError, TypeError) as err:
                 problem = ("invalid_event", f"{name} row {i}: {err}")
             if problem is not None:
-                dead.append(DeadLetter(
-                    reason=problem[0], message=problem[1], source_topic=topic,
-                    source_partition=parts[i] if parts[i] is not None else -1,
-                    source_offset=offs[i] if offs[i] is not None else -1,
-                    key=(data.get("episode_id") or "").encode(), value=None,
-                    detected_by=_DETECTED_BY, event_type=name,
-                ))
+                dead.append(dead_letter(i, problem[0], problem[1], name))
                 continue
             events[i] = ev
+    for i in np.flatnonzero(~known).tolist():
+        dead.append(dead_letter(i, "unknown_type", f"row {i}: event_type {etype_arr[i]!r} is not one of "
+                                f"{', '.join(EVENT_TYPES)}", None))
     by_episode: dict[str, list[Event]] = defaultdict(list)
     for ev in events:
         if ev is not None:
@@ -242,8 +268,13 @@ def _typed_as_archive(schema: pa.Schema) -> bool:
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
-def _times(col: pa.ChunkedArray) -> list[datetime]:
-    """UTC datetimes of a timestamp column (epoch + timedelta; ``to_pylist`` is ~5x slower with a tz)."""
+def _times(col: pa.ChunkedArray) -> list[Any]:
+    """UTC datetimes of a timestamp column (epoch + timedelta; ``to_pylist`` is ~5x slower with a tz).
+
+    A column of another type, or with nulls, gives its plain values: ``msgspec.convert`` checks them per row.
+    """
+    if not pa.types.is_timestamp(col.type) or col.null_count:
+        return col.to_pylist()
     us = col.cast(pa.timestamp("us", tz="UTC")).cast(pa.int64()).to_numpy(zero_copy_only=False)
     return [_EPOCH + timedelta(microseconds=u) for u in us.tolist()]
 
@@ -260,11 +291,31 @@ def _dec_hook(typ: type, obj: Any) -> Any:
 
 def read_archive_file(path: str | Path, *,
                       topic: str = "") -> tuple[list[tuple[str, list[Event]]], list[DeadLetter], int]:
-    """Read one archive Parquet file: (fragments, dead letters, rows read)."""
-    table = pq.read_table(path)
+    """Read one archive Parquet file: (fragments, dead letters, rows read).
+
+    Raises:
+        streams.archive.ArchiveError: the file cannot be read as Parquet (damaged, cut short) or is not an
+            archive data file (no ``event_type`` column); its rows cannot be dead letters one by one.
+    """
+    table = _read_table(path)
+    if "event_type" not in table.column_names or not pa.types.is_string(table.schema.field("event_type").type):
+        from streams.archive import ArchiveError
+
+        raise ArchiveError(f"archive file {path} has no string `event_type` column, so it is not an event archive "
+                           "data file; remove it from the commit manifest that names it")
     with gc_paused():
         frags, dead = table_to_fragments(table, topic=topic)
     return frags, dead, table.num_rows
+
+
+def _read_table(path: str | Path, *, columns: list[str] | None = None) -> pa.Table:
+    from streams.archive import ArchiveError
+
+    try:
+        return pq.read_table(path, columns=columns)
+    except (pa.ArrowException, OSError) as err:  # Arrow's IO and format errors are OSError/ValueError subclasses
+        raise ArchiveError(f"archive file {path} is damaged ({err}); restore it from a copy, or rebuild the archive "
+                           "from the topic (`trajpipe archive --out NEW_DIR`)") from err
 
 
 def split_episode_ids(files: Sequence[ArchiveFile], *, also: Iterable[str] = ()) -> frozenset[str]:
@@ -273,10 +324,21 @@ def split_episode_ids(files: Sequence[ArchiveFile], *, also: Iterable[str] = ())
     Reads only the ``episode_id`` column of each file. Every other episode is
     wholly inside one file, so it can be assembled where the file is read,
     without a shuffle (:class:`ReadArchiveEpisodes`).
+
+    Raises:
+        streams.archive.ArchiveError: a file is damaged or has no string ``episode_id`` column.
     """
     if not files:
         return frozenset(also)
-    uniques = [pc.unique(pq.read_table(f.path, columns=["episode_id"]).column(0)) for f in files]
+    uniques = []
+    for f in files:
+        column = _read_table(f.path, columns=["episode_id"]).column(0)
+        if not pa.types.is_string(column.type):
+            from streams.archive import ArchiveError
+
+            raise ArchiveError(f"archive file {f.path}: `episode_id` is {column.type}, not string; it was not written "
+                               "by the archiver")
+        uniques.append(pc.unique(column))
     counts = pc.value_counts(pa.chunked_array(uniques, type=pa.string()).combine_chunks())
     spread = counts.filter(pc.greater(counts.field("counts"), 1)).field("values").to_pylist()
     return frozenset(spread) | frozenset(also)

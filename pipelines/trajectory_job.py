@@ -59,11 +59,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any, List, NoReturn, Tuple
 
 import apache_beam as beam
 import msgspec
@@ -138,8 +139,15 @@ class JobError(ValueError):
     """Incompatible or missing options; the message names the option and the fix."""
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse that raises :class:`JobError` (one line for the CLI) instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise JobError(f"{message} (see `trajpipe pipeline run --help`)")
+
+
 def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="trajectory_job", description=__doc__.split("\n")[0])
+    parser = _ArgumentParser(prog="trajectory_job", description=__doc__.split("\n")[0])
     parser.add_argument("--source", choices=("kafka", "archive"), required=True)
     parser.add_argument("--bootstrap", help="Kafka bootstrap servers (--source kafka)")
     parser.add_argument("--topic", default=None, help="events topic (default: settings' topics.events)")
@@ -193,6 +201,8 @@ def _check(args: argparse.Namespace) -> None:
             raise JobError(f"`--stop-after-s` must be > 0, got {args.stop_after_s}")
     if args.source == "archive" and not args.archive:
         raise JobError("`--archive` is required with --source archive")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise JobError(f"`--out` {args.out} is a file, not a directory; give the dataset root directory")
     if args.source == "kafka" and not args.bootstrap:
         raise JobError("`--bootstrap` is required with --source kafka")
     if args.loop < 0 or args.incomplete_after < 0 or args.shards < 1:

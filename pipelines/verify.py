@@ -54,12 +54,15 @@ __all__ = [
     "reconcile_verdict",
     "step_disagreements",
     "TOKEN_CONSISTENCY",
+    "DOMAIN_VERIFIERS_SKIPPED",
 ]
 
 #: Name of the generic check every step gets.
 TOKEN_CONSISTENCY = "pipeline.token_consistency"
 #: Prefix of data-quality checks: recorded, never counted.
 DATA_QUALITY_PREFIX = "pipeline."
+#: Recorded on every step of an episode whose domain verifiers could not run (no readable task spec).
+DOMAIN_VERIFIERS_SKIPPED = "pipeline.domain_verifiers_skipped"
 
 
 class VerifiersUnavailable(RuntimeError):
@@ -158,6 +161,7 @@ class _VerifyFn(beam.DoFn):
         self._checked = Metrics.counter(METRICS_NAMESPACE, "steps_verified")
         self._failed = Metrics.counter(METRICS_NAMESPACE, "steps_failed_token_consistency")
         self._no_verifier = Metrics.counter(METRICS_NAMESPACE, "episodes_without_domain_verifier")
+        self._no_spec = Metrics.counter(METRICS_NAMESPACE, "episodes_domain_verifiers_skipped")
         self._errors = Metrics.counter(METRICS_NAMESPACE, "verifier_errors")
         self._disagreements = Metrics.counter(METRICS_NAMESPACE, "verifier_disagreements")
         self._agreements = Metrics.counter(METRICS_NAMESPACE, "verifier_agreements")
@@ -169,12 +173,21 @@ class _VerifyFn(beam.DoFn):
     def process(self, episode: Episode) -> Iterator[Episode]:
         spec = self._task_spec(episode) if self._verify_step is not None else None  # specs can be whole documents
         domain_ok = spec is not None
+        skipped = None
+        if self._verify_step is not None and spec is None:  # recorded on each step and counted, never silent
+            self._no_spec.inc()
+            skipped = Verification(
+                verifier=DOMAIN_VERIFIERS_SKIPPED, passed=False, score=0.0, source="pipeline", counted=False,
+                details="domain verifiers not run: " + ("no episode_started event" if episode.started is None
+                                                        else "task_spec is not a JSON object"))
         verdicts = []
         disagreements = agreements = 0
         for step, recorded in zip(episode.steps, episode.verdicts):
             ours = [check_token_consistency(step)]
             if not ours[0].passed:
                 self._failed.inc()
+            if skipped is not None:
+                ours.append(skipped)
             if domain_ok:
                 fields = {k: getattr(step, k) for k in _STEP_FIELDS}
                 try:
@@ -231,7 +244,12 @@ class VerifySteps(beam.PTransform):
     ``rollout.verifiers.verify_step`` — a vote where the rollout has no verdict
     of that verifier, an agreement check (not counted) where it has
     (:func:`reconcile_verdict`; see the module docstring). A domain without a
-    registered verifier keeps only the rollout-time verdicts.
+    registered verifier keeps only the rollout-time verdicts (counted in
+    ``pipeline/episodes_without_domain_verifier``). An episode whose task spec
+    cannot be read (no ``episode_started``, or not a JSON object) gets a
+    :data:`DOMAIN_VERIFIERS_SKIPPED` verdict (never counted) on every step and
+    counts in ``pipeline/episodes_domain_verifiers_skipped``: the verifiers did
+    not run, and the data says so.
 
     Args:
         use_domain_verifiers: run ``rollout.verifiers`` (False: generic check only).

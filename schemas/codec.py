@@ -127,16 +127,20 @@ def _enc_hook(obj: Any) -> Any:
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
+class _BadExtension(ValueError):
+    """A MessagePack extension value the event model has no use for (msgspec passes hook errors through)."""
+
+
 def _ext_hook(code: int, data: memoryview) -> Any:
     if code == _EXT_INT32:
         if len(data) % 4:
-            raise ValueError("int32 array buffer length is not a multiple of 4")
+            raise _BadExtension(f"int32 array buffer of {len(data)} bytes is not a multiple of 4")
         return np.frombuffer(data, dtype="<i4").view(TokenIds)
     if code == _EXT_FLOAT32:
         if len(data) % 4:
-            raise ValueError("float32 array buffer length is not a multiple of 4")
+            raise _BadExtension(f"float32 array buffer of {len(data)} bytes is not a multiple of 4")
         return np.frombuffer(data, dtype="<f4").view(LogProbs)
-    raise ValueError(f"unknown MessagePack extension code {code}")
+    raise _BadExtension(f"unknown MessagePack extension code {code}")
 
 
 def _dec_hook(typ: type, obj: Any) -> Any:
@@ -260,6 +264,8 @@ def decode_event(buf: bytes | memoryview, *, max_bytes: int = DEFAULT_MAX_EVENT_
     except msgspec.DecodeError as err:
         reason = "truncated" if "truncated" in str(err).lower() else "malformed"
         raise EventDecodeError(reason, f"{event_type} body: {err}", event_type=event_type) from None
+    except _BadExtension as err:
+        raise EventDecodeError("malformed", f"{event_type} body: {err}", event_type=event_type) from None
     if event.schema_version != version:
         raise EventDecodeError(
             "malformed",

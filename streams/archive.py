@@ -27,7 +27,7 @@ import zlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import msgspec
@@ -120,13 +120,23 @@ def bucket_of(episode_id: str, buckets: int) -> int:
 def _init_archive(root: Path, *, topic: str, buckets: int) -> dict[str, Any]:
     meta_path = root / "_archive.json"
     if meta_path.exists():
-        meta = json.loads(meta_path.read_text())
+        try:
+            meta = json.loads(meta_path.read_bytes())
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ArchiveError(f"{meta_path} is not JSON ({err}); the archive metadata is damaged: restore it "
+                               f'(e.g. {{"format": {ARCHIVE_FORMAT}, "buckets": 16, "topic": "{topic}"}})') from err
+        if not isinstance(meta, dict):
+            raise ArchiveError(f"{meta_path} holds a {type(meta).__name__}, not the archive metadata object")
+        buckets_ok = type(meta.get("buckets")) is int and meta["buckets"] >= 1  # noqa: E721 - not a bool
         if meta.get("format") != ARCHIVE_FORMAT:
             raise ArchiveError(f"{root} has archive format {meta.get('format')}; this trajpipe writes {ARCHIVE_FORMAT}")
         if meta.get("topic") != topic:
             raise ArchiveError(
                 f"{root} archives topic {meta.get('topic')!r}, not {topic!r}; use another --out directory"
             )
+        if not buckets_ok:
+            raise ArchiveError(f"{meta_path}: `buckets` must be an integer >= 1 (the bucket count its files were "
+                               f"written with), got {meta.get('buckets')!r}")
         return meta
     root.mkdir(parents=True, exist_ok=True)
     (root / "_commits").mkdir(exist_ok=True)
@@ -139,7 +149,7 @@ def read_commits(root: Path) -> list[CommitManifest]:
     """All commit manifests of an archive, in commit order.
 
     Raises:
-        ArchiveError: a manifest is unreadable or commit numbers have a gap.
+        ArchiveError: a manifest is unreadable, names a file outside the archive, or commit numbers have a gap.
     """
     commits = []
     for path in sorted((Path(root) / "_commits").glob("*.json")):
@@ -147,6 +157,11 @@ def read_commits(root: Path) -> list[CommitManifest]:
             commits.append(msgspec.json.decode(path.read_bytes(), type=CommitManifest))
         except msgspec.DecodeError as err:
             raise ArchiveError(f"commit manifest {path} is unreadable: {err}") from err
+        for f in commits[-1].files:  # data files live in the archive: never read (or rename) anything else
+            rel = PurePosixPath(f)
+            if rel.is_absolute() or ".." in rel.parts or not rel.parts or "\\" in f or "\x00" in f:
+                raise ArchiveError(f"commit manifest {path} names file {f!r}, outside the archive; a manifest "
+                                   "lists paths relative to the archive root (bucket=NN/cNNNNNNNN.parquet)")
     for i, c in enumerate(commits, start=1):
         if c.commit != i:
             raise ArchiveError(f"archive {root}: commit {i} is missing (found {c.commit})")

@@ -111,6 +111,8 @@ _FRAME = struct.Struct(">II")
 _SPOOL_BUFFER = 1 << 20
 #: Replay waits for acks every this many records, so memory stays bounded.
 _REPLAY_CHUNK = 20_000
+#: One spool record: (key, value, headers).
+_RECORD = msgspec.msgpack.Decoder(tuple[bytes | None, bytes, list[tuple[str, bytes]]])
 
 Header = tuple[str, bytes]
 
@@ -245,11 +247,14 @@ def _scan_spool(path: Path) -> tuple[int, int]:
 
 
 def _iter_frames(f: Any) -> Iterator[bytes]:
+    size = os.fstat(f.fileno()).st_size
     while True:
         head = f.read(_FRAME.size)
         if len(head) < _FRAME.size:
             return
         length, crc = _FRAME.unpack(head)
+        if length > size - f.tell():  # torn, or a damaged length: never allocate what the file does not hold
+            return
         payload = f.read(length)
         if len(payload) < length or zlib.crc32(payload) != crc:
             return
@@ -269,7 +274,8 @@ def read_spool(path: Path) -> Iterator[tuple[bytes | None, bytes, list[Header]]]
         ``(key, value, headers)`` of each record.
 
     Raises:
-        SpoolError: the file is not a spool file.
+        SpoolError: the file is not a spool file, or a record that passes its
+            CRC is not a ``(key, value, headers)`` record.
 
     Examples:
         >>> import tempfile
@@ -285,8 +291,12 @@ def read_spool(path: Path) -> Iterator[tuple[bytes | None, bytes, list[Header]]]
             if len(magic) < len(SPOOL_MAGIC) and SPOOL_MAGIC.startswith(magic):
                 return
             raise SpoolError(f"{path} is not a trajpipe spool file (magic {magic!r})")
-        for payload in _iter_frames(f):
-            key, value, headers = msgspec.msgpack.decode(payload)
+        for n, payload in enumerate(_iter_frames(f)):
+            try:
+                key, value, headers = _RECORD.decode(payload)
+            except msgspec.DecodeError as err:  # the CRC matched: written so, not torn
+                raise SpoolError(f"{path}: record {n} (ends at byte {f.tell()}) passes its CRC but is not a spool "
+                                 f"record ({err}); move the file away, the records before it were read") from None
             yield key, value, [(name, hval) for name, hval in headers]
 
 

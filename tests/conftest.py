@@ -113,3 +113,20 @@ def topic_name(request: pytest.FixtureRequest) -> str:
     """A topic name no other test uses: ``test.<test name>.<random>``, legal for Kafka."""
     name = re.sub(r"[^a-zA-Z0-9._-]+", "-", request.node.name).strip("-")[:100]
     return f"test.{name}.{uuid.uuid4().hex[:8]}"
+
+
+# --- fuzz tests (tests/fuzzing.py): Hypothesis profiles, and the inputs tried per target after `make fuzz`
+from tests import fuzzing  # noqa: E402
+
+fuzzing.register_profiles()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """After a run under the ``fuzz`` profile: one JSON line of inputs tried per target (and failed tests)."""
+    if config.getoption("hypothesis_profile", None) != "fuzz" or not fuzzing.COUNTS:
+        return
+    import json
+
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    failed = len(reporter.stats.get("failed", [])) + len(reporter.stats.get("error", [])) if reporter else 0
+    print(json.dumps({**{t: fuzzing.COUNTS[t] for t in fuzzing.TARGETS}, "failures": failed}), flush=True)

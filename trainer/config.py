@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = [
     "DataConfig",
@@ -230,6 +230,9 @@ def load_train_config(path: str | Path | None = None, **overrides: Any) -> Train
             doc = yaml.safe_load(Path(path).read_text()) or {}
         except (OSError, yaml.YAMLError) as err:
             raise ConfigError(f"`--config` {path}: {err}") from err
+        if not isinstance(doc, dict):
+            raise ConfigError(f"`--config` {path} holds a {type(doc).__name__}, not a mapping of settings; "
+                              "see trainer/configs/*.yaml")
     for key, value in overrides.items():
         if value is None:
             continue
@@ -243,5 +246,35 @@ def load_train_config(path: str | Path | None = None, **overrides: Any) -> Train
         doc = _deep_merge(doc, node)
     try:
         return TrainConfig.model_validate(doc)
+    except ValidationError as err:
+        raise ConfigError(f"invalid training config: {_describe(err)}") from err
     except ValueError as err:
         raise ConfigError(f"invalid training config: {err}") from err
+
+
+#: Dotted config key -> the ``trajpipe train`` flag that sets it (named in error messages).
+_FLAGS = {
+    "data.dir": "--data", "data.recipe": "--recipe", "model": "--model", "out": "--out",
+    "objective.name": "--objective", "mode": "--mode", "max_steps": "--max-steps",
+    "engine.deepspeed_config": "--deepspeed-config", "engine.zero_stage": "--zero-stage", "resume": "--resume",
+    "publish.every": "--publish-every", "publish.bootstrap": "--bootstrap", "seed": "--seed",
+}
+
+
+def _describe(err: ValidationError) -> str:
+    """Each problem on one line: the setting (and its flag), what is wrong, the value given."""
+    parts = []
+    for e in err.errors():
+        key = ".".join(str(x) for x in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if not key:  # a model-level check: its message names the settings itself
+            parts.append(msg)
+            continue
+        where = f"`{_FLAGS[key]}` ({key})" if key in _FLAGS else f"`{key}`"
+        if e["type"] == "missing":
+            parts.append(f"{where} is required")
+        elif e["type"] == "extra_forbidden":
+            parts.append(f"{where} is not a setting; see trainer/configs/*.yaml and docs/trainer.md")
+        else:
+            parts.append(f"{where}: {msg}, got {e.get('input')!r}")
+    return "; ".join(parts)

@@ -2,24 +2,159 @@
 
 Every command that produces or moves data prints, as its last line, one JSON
 object of counts.
+
+Errors (:class:`_RootGroup`): a wrong flag value, a missing or wrong path or a
+bad config file prints one line ``error: <what is wrong and how to fix it>``
+on stderr and exits with status 2, with no traceback. Usage errors found by
+the parser (unknown option, value of the wrong type, missing option) and the
+project's typed errors (:data:`USER_ERRORS`, e.g. ``streams.config.ConfigError``,
+``trainer.config.ConfigError``, ``trainer.data.DataError``) are reported that
+way. Any other exception is a bug or an environment failure: one line
+``error: <Type>: <message> (run with --debug for the traceback)`` and exit
+status 1. ``trajpipe --debug <command>`` (or ``TRAJPIPE_DEBUG=1``) also prints
+the traceback, before the ``error:`` line.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import traceback
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
+from typer.core import TyperGroup
 
-from streams.config import ConfigError
+try:
+    from typer._click import exceptions as _click_errors  # typer >= 0.22 parses with its own copy of click
+except ImportError:  # older typer: click itself
+    from click import exceptions as _click_errors
+
 from trajpipe.settings import load_settings
 
-__all__ = ["app", "main"]
+__all__ = ["app", "main", "report_error", "USER_ERRORS", "CommandLineError", "ModelDirError"]
 
-app = typer.Typer(help="Event-sourced trajectory data pipeline for RL post-training.", no_args_is_help=True)
+#: ``(module, class name)`` of the exceptions that mean "the input is wrong" (exit status 2, one line, no
+#: traceback): their messages name the flag, file or setting and the fix. Matched along the exception's MRO by
+#: name, so reporting an error never imports torch or Beam.
+USER_ERRORS: frozenset[tuple[str, str]] = frozenset({
+    ("streams.config", "ConfigError"),  # settings, flags, config files (also RunnerConfigError, TopicMismatchError)
+    ("trainer.config", "ConfigError"),  # training recipe and flags
+    ("trainer.data", "DataError"),  # a dataset that cannot be trained on
+    ("pipelines.recipes", "RecipeError"),
+    ("pipelines.trajectory_job", "JobError"),
+    ("pipelines.verify", "VerifiersUnavailable"),
+    ("pipelines.runners", "RunnerNotInstalledError"),
+    ("streams.broker", "BrokerError"),
+    ("streams.archive", "ArchiveError"),
+    ("streams.producer", "SpoolError"),
+    ("rollout.sandbox", "SandboxError"),
+    ("rollout.context", "ChatTemplateError"),
+    ("trajpipe.cli", "CommandLineError"),  # and ModelDirError
+})
+#: Built-in exceptions that, escaping a command, come from a path given on the command line.
+_PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError, PermissionError)
+
+
+class CommandLineError(ValueError):
+    """A flag value, path or file given on the command line is wrong; the message names it and the fix."""
+
+
+class ModelDirError(CommandLineError):
+    """``--model`` is not a loadable Hugging Face model directory."""
+
+
+def _is_user_error(err: BaseException) -> bool:
+    return isinstance(err, _PATH_ERRORS) or any(
+        (k.__module__, k.__qualname__) in USER_ERRORS for k in type(err).__mro__)
+
+
+def _debug_requested(argv: Sequence[str]) -> bool:
+    """``--debug`` among the global options (before the command name), or ``TRAJPIPE_DEBUG`` set to 1/true/yes."""
+    if os.environ.get("TRAJPIPE_DEBUG", "").strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    for arg in argv:
+        if arg == "--debug":
+            return True
+        if not arg.startswith("-"):
+            return False
+    return False
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _command_path(ctx: Any) -> str:
+    names = []
+    while ctx is not None and ctx.parent is not None:
+        names.append(ctx.info_name)
+        ctx = ctx.parent
+    return " ".join(["trajpipe", *reversed(names)])
+
+
+def report_error(err: BaseException, *, debug: bool) -> int:
+    """Print ``err`` as one ``error:`` line on stderr (after its traceback when ``debug``); return the exit status.
+
+    Args:
+        err: the exception that ended the command.
+        debug: also print the traceback (``--debug`` / ``TRAJPIPE_DEBUG=1``).
+
+    Returns:
+        2 for usage errors and :data:`USER_ERRORS` (wrong input), 1 for anything else.
+    """
+    if debug:
+        traceback.print_exception(err, file=sys.stderr)
+    if isinstance(err, _click_errors.UsageError):
+        line, code = f"{_one_line(err.format_message())} (see `{_command_path(err.ctx)} --help`)", 2
+    elif isinstance(err, _click_errors.ClickException):
+        line, code = _one_line(err.format_message()), err.exit_code
+    elif _is_user_error(err):
+        line, code = _one_line(str(err)) or type(err).__name__, 2
+    else:
+        hint = "" if debug else " (run with --debug for the traceback)"
+        line, code = f"{type(err).__name__}: {_one_line(str(err))}{hint}", 1
+    sys.stdout.flush()
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    return code
+
+
+class _RootGroup(TyperGroup):
+    """The ``trajpipe`` group: every error that ends a command becomes one line (see the module docstring)."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        argv = list(sys.argv[1:] if args is None else args)
+        try:
+            code = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except _click_errors.NoArgsIsHelpError as err:  # `trajpipe` or `trajpipe model` alone: the help
+            err.show()
+            code = err.exit_code
+        except typer.Abort:
+            print("error: aborted", file=sys.stderr, flush=True)
+            code = 130
+        except Exception as err:  # noqa: BLE001 - the one place every command's error is reported
+            code = report_error(err, debug=_debug_requested(argv))
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+app = typer.Typer(cls=_RootGroup, help="Event-sourced trajectory data pipeline for RL post-training.",
+                  no_args_is_help=True)
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="print the traceback of an error (also TRAJPIPE_DEBUG=1)")
+                     ] = False,
+) -> None:
+    """Event-sourced trajectory data pipeline for RL post-training."""
+    # `--debug` is read from argv by _RootGroup.main, which reports errors after this context is gone.
 broker_app = typer.Typer(help="Embedded single-node broker for local work and tests.", no_args_is_help=True)
 app.add_typer(broker_app, name="broker")
 pipeline_app = typer.Typer(help="Beam jobs: event log -> versioned Parquet datasets.", no_args_is_help=True)
@@ -39,9 +174,55 @@ def _print_counts(counts: dict) -> None:
     print(json.dumps(counts), flush=True)
 
 
-def _fail(message: str, code: int = 2) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
+def _fail(message: str) -> NoReturn:
+    """End the command: ``message`` (what is wrong, naming the flag, and the fix) becomes its ``error:`` line."""
+    raise CommandLineError(message)
+
+
+def _check_dir(flag: str, path: Path | None, *, must_exist: bool = False) -> None:
+    """``path`` (given by ``flag``) must be a directory, or not exist yet unless ``must_exist``."""
+    if path is None:
+        return
+    if path.exists() and not path.is_dir():
+        _fail(f"`{flag}` {path} is a file, not a directory; give a directory")
+    if must_exist and not path.exists():
+        _fail(f"`{flag}` {path} does not exist; give an existing directory")
+
+
+def _check_at_least(flag: str, value: float | None, low: float) -> None:
+    if value is not None and value < low:
+        _fail(f"`{flag}` must be >= {low:g}, got {value:g}")
+
+
+def _check_model_dir(path: Path, *, flag: str = "--model") -> None:
+    """``path`` must be a Hugging Face model directory transformers can load (before any process group starts).
+
+    Raises:
+        ModelDirError: it does not exist, is not a directory, has no or an unloadable config.json, or no weights.
+    """
+    make = f"make one with `trajpipe model init-tiny --out {path}`"
+    if not path.exists():
+        raise ModelDirError(f"`{flag}` {path} does not exist; give a local Hugging Face model directory ({make})")
+    if not path.is_dir():
+        raise ModelDirError(f"`{flag}` {path} is a file; give a Hugging Face model directory, not a file in it")
+    if not (path / "config.json").is_file():
+        raise ModelDirError(f"`{flag}` {path} is not a model directory (no config.json); {make}")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ModelDirError(f"`{flag}` {path}/config.json is not JSON ({err}); {make}") from err
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ModelDirError(f"`{flag}` {path}/config.json has no `model_type`, so transformers cannot load it; {make}")
+    weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+    if not any((path / w).is_file() for w in weights):
+        raise ModelDirError(f"`{flag}` {path} has no weights ({', '.join(weights[::2])}); {make}")
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as err:
+        raise ModelDirError(f"`{flag}` {path}: transformers cannot load its config.json ({_one_line(str(err))})"
+                            ) from err
 
 
 @broker_app.command("start")
@@ -54,6 +235,7 @@ def broker_start(
     config: ConfigOpt = None,
 ) -> None:
     """Start the embedded broker in the background and print its bootstrap address."""
+    _check_dir("--data-dir", data_dir)
     from streams.broker import BrokerError, start_broker
 
     settings = load_settings(config)
@@ -129,6 +311,7 @@ def broker_stop(
     config: ConfigOpt = None,
 ) -> None:
     """Stop the broker this data dir's pid file names (and nothing else)."""
+    _check_dir("--data-dir", data_dir)
     from streams.broker import BrokerError, stop_broker
 
     settings = load_settings(config)
@@ -145,6 +328,7 @@ def broker_status(
     config: ConfigOpt = None,
 ) -> None:
     """Say whether the broker of this data dir is running, and where."""
+    _check_dir("--data-dir", data_dir)
     from streams.broker import broker_status as status
 
     settings = load_settings(config)
@@ -214,6 +398,11 @@ def synth(
     config: ConfigOpt = None,
 ) -> None:
     """Emit schema-valid synthetic episodes to the events topic."""
+    _check_at_least("--episodes", episodes, 0)
+    _check_at_least("--vocab-size", vocab_size, 2)
+    _check_dir("--spool-dir", spool_dir)
+    if not [d for d in domains.split(",") if d.strip()]:
+        _fail("`--domains` is empty; name at least one domain, e.g. --domains code,math")
     import time
 
     from streams.producer import EventProducer
@@ -253,6 +442,11 @@ def archive(
     config: ConfigOpt = None,
 ) -> None:
     """Drain the events topic into the append-only Parquet event archive."""
+    _check_dir("--out", out)
+    _check_dir("--spool-dir", spool_dir)
+    _check_at_least("--commit-every", commit_every, 1)
+    if not poll_interval > 0:
+        _fail(f"`--poll-interval` must be > 0 seconds, got {poll_interval:g}")
     import signal
     import threading
 
@@ -305,7 +499,6 @@ def train(
     """Train a policy on the steps/ datasets with DeepSpeed (see docs/trainer.md)."""
     from trainer.config import ConfigError as TrainConfigError
     from trainer.config import load_train_config
-    from trainer.recipes.rl import run
 
     try:
         cfg = load_train_config(config, **{
@@ -317,6 +510,14 @@ def train(
         })
     except TrainConfigError as err:
         _fail(str(err))
+    # Checked here, before DeepSpeed and the process group start, so a wrong path is one line, not a rank traceback.
+    _check_model_dir(Path(cfg.model))
+    _check_dir("--data", Path(cfg.data.dir), must_exist=True)
+    _check_dir("--out", Path(cfg.out))
+    if cfg.engine.deepspeed_config and not Path(cfg.engine.deepspeed_config).is_file():
+        _fail(f"`--deepspeed-config` {cfg.engine.deepspeed_config} is not a file; give a DeepSpeed JSON/YAML file")
+    from trainer.recipes.rl import run
+
     emit = None
     producer = None
     if cfg.publish.bootstrap:
@@ -359,6 +560,7 @@ def model_init_tiny(
     max_position_embeddings: Annotated[int, typer.Option("--max-position-embeddings")] = 2048,
 ) -> None:
     """Write a random-init tiny Llama model + from-scratch BPE tokenizer (loads in transformers and vLLM)."""
+    _check_dir("--out", out)
     from rollout.model import init_tiny_model
 
     try:
@@ -416,6 +618,16 @@ def rollout(
     config: ConfigOpt = None,
 ) -> None:
     """Run episodes with a policy in the environments and emit their events to the events topic."""
+    _check_at_least("--episodes", episodes, 0)
+    _check_at_least("--concurrency", concurrency, 1)
+    _check_at_least("--max-steps", max_steps, 1)
+    _check_at_least("--max-tokens", max_tokens, 1)
+    _check_dir("--spool-dir", spool_dir)
+    from rollout.envs import domains as known_domains
+
+    unknown = sorted({d.strip() for d in domains.split(",") if d.strip()} - set(known_domains()))
+    if unknown:
+        _fail(f"`--domains` names unknown domains {', '.join(unknown)}; known: {', '.join(known_domains())}")
     import os
     import signal
     import socket
@@ -532,8 +744,8 @@ def audit_logprobs(
     from trainer.audit import audit_behaviour_logprobs
     from trainer.data import DataError
 
-    if not (model / "config.json").is_file():
-        _fail(f"`--model` {model} is not a model directory (no config.json)")
+    _check_model_dir(model)
+    _check_dir("--data", data, must_exist=True)
     version = policy_version if policy_version is not None else _published_policy(model).get("version", 0)
     try:
         result = audit_behaviour_logprobs(
@@ -555,6 +767,10 @@ def query(
     fmt: Annotated[str, typer.Option("--format", help="table, csv or json")] = "table",
 ) -> None:
     """Query the archive and datasets with DuckDB (views: events, steps, trajectories, ...)."""
+    _check_dir("--archive", archive, must_exist=True)
+    _check_dir("--data", data, must_exist=True)
+    if fmt not in ("table", "csv", "json"):
+        _fail(f"`--format` {fmt!r} is not one of table, csv, json")
     import duckdb
 
     from pipelines.query import register_views
@@ -613,6 +829,10 @@ def pipeline_run(ctx: typer.Context) -> None:
     _print_counts(counts)
 
 
+#: What the demo leaves in its workdir (and so may wipe on the next run).
+_DEMO_ENTRIES = frozenset({"broker", "tiny", "archive", "datasets", "bc", "grpo", "spool"})
+
+
 @app.command("demo")
 def demo(
     workdir: Annotated[Path, typer.Option(help="where the demo keeps its broker, data and runs (wiped first)")] = Path(
@@ -634,6 +854,13 @@ def demo(
 
     from streams.broker import kafka_jars_dir
 
+    for flag, value in (("--episodes", episodes), ("--group-size", group_size), ("--groups", groups)):
+        _check_at_least(flag, value, 1)
+    _check_dir("--workdir", workdir)
+    strangers = sorted(p.name for p in workdir.iterdir() if p.name not in _DEMO_ENTRIES) if workdir.exists() else []
+    if strangers:  # the demo wipes its workdir: never a directory that holds anything else
+        _fail(f"`--workdir` {workdir} holds {', '.join(strangers[:5])}, which the demo did not make, and the demo "
+              "wipes its workdir; give a new or empty directory")
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
@@ -736,8 +963,4 @@ def main() -> None:
     logging.getLogger("apache_beam.io.gcp").setLevel(logging.ERROR)
     for handler in logging.getLogger().handlers:  # Beam warns about optional GCP clients at import
         handler.addFilter(lambda record: "apitools not found" not in record.getMessage())
-    try:
-        app()
-    except ConfigError as err:
-        typer.echo(f"error: {err}", err=True)
-        sys.exit(2)
+    app()  # errors are reported by _RootGroup.main

@@ -104,3 +104,83 @@ def test_an_archive_written_by_schema_v1_still_builds_datasets(tmp_path):
                           from read_parquet('{tmp_path}/data/trajectories/**/*.parquet', hive_partitioning=true)
                           group by all""").fetchall()
     assert rows == [("done", True, 0, "", 8)]  # termination derived from the status of v1 events
+
+
+# Found by the fuzzer (tests/streams/test_archive_fuzz.py): files a crash, a foreign writer or bit rot can leave
+# made the archive source raise KeyError/AttributeError/ValueError (a crashed job) or drop rows silently.
+
+
+def _table_of(evs):
+    from schemas.arrow import events_to_table
+
+    return events_to_table(evs, [(0, i) for i in range(len(evs))])
+
+
+def test_rows_of_unknown_types_or_without_their_struct_column_are_dead_letters_not_dropped():
+    import pyarrow as pa
+
+    from pipelines.archive_source import table_to_fragments
+    from streams.synth import generate_episodes
+
+    evs = next(generate_episodes(1, seed=2))  # episode_started, steps..., episode_finished
+    table = _table_of(evs)
+    types = table.column("event_type").to_pylist()
+    types[0] = None  # a null type
+    types[-1] = "episode_ended"  # a type this trajpipe does not know
+    table = table.set_column(table.column_names.index("event_type"), "event_type", pa.array(types, pa.string()))
+    table = table.drop_columns(["step_verified"])  # the verdict rows lose their payload
+    frags, dead = table_to_fragments(table, topic="t")
+    n_verdicts = sum(ev.event_type == "step_verified" for ev in evs)
+    kept = [ev for _, e in frags for ev in e]
+    # every row accounted for: 1 null type + 1 unknown type + the verdicts without a struct column are dead letters
+    assert len(kept) + len(dead) == len(evs) and len(dead) == 2 + n_verdicts
+    assert sorted({d.reason for d in dead}) == ["invalid_event", "unknown_type"]
+    assert {d.source_offset for d in dead if d.reason == "unknown_type"} == {0, len(evs) - 1}
+    assert all(d.key == evs[0].episode_id.encode() for d in dead)
+
+
+def test_values_of_the_wrong_kind_become_dead_letters():
+    import pyarrow as pa
+
+    from pipelines.archive_source import table_to_fragments
+    from streams.synth import generate_episodes
+
+    evs = next(generate_episodes(1, seed=2))
+    table = _table_of(evs)
+    finished = table.column("episode_finished").combine_chunks()
+    i = finished.type.get_field_index("status")
+    children = [finished.field(j) for j in range(finished.type.num_fields)]
+    children[i] = pa.array(["" if v is not None else None for v in children[i].to_pylist()], pa.string())
+    table = table.set_column(table.column_names.index("episode_finished"), "episode_finished",
+                             pa.StructArray.from_arrays(children, fields=list(finished.type),
+                                                        mask=finished.is_null()))
+    times = table.column("event_time").to_pylist()
+    times[1] = None  # a null time used to crash the timestamp conversion
+    table = table.set_column(table.column_names.index("event_time"), "event_time",
+                             pa.array(times, table.schema.field("event_time").type))
+    episode_ids = pa.array(range(len(evs)), pa.int64())  # an integer episode id
+    table = table.set_column(table.column_names.index("episode_id"), "episode_id", episode_ids)
+    frags, dead = table_to_fragments(table, topic="t")
+    assert frags == [] and len(dead) == len(evs)  # no row has a string episode id
+    assert {d.key for d in dead} == {b""}
+
+
+def test_damaged_or_foreign_archive_files_are_an_archive_error(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import pytest
+
+    from pipelines.archive_source import ArchiveFile, read_archive_file, split_episode_ids
+    from streams.archive import ArchiveError
+
+    damaged = tmp_path / "damaged.parquet"
+    pq.write_table(pa.table({"event_type": ["step"], "episode_id": ["e"]}), damaged)
+    damaged.write_bytes(damaged.read_bytes()[:-12])  # cut short: the footer is gone
+    with pytest.raises(ArchiveError, match="is damaged"):
+        read_archive_file(damaged)
+    with pytest.raises(ArchiveError, match="is damaged"):
+        split_episode_ids([ArchiveFile(path=str(damaged), commit=1, topic="t")])
+    foreign = tmp_path / "foreign.parquet"
+    pq.write_table(pa.table({"x": [1]}), foreign)
+    with pytest.raises(ArchiveError, match="no string `event_type` column"):
+        read_archive_file(foreign)

@@ -1,9 +1,12 @@
 """VerifySteps, ComputeProcessRewards and ClipTrajectories."""
 
+import os
 import sys
 from datetime import datetime, timezone
+from pathlib import Path
 
 import apache_beam as beam
+import msgspec
 import numpy as np
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
@@ -115,6 +118,46 @@ def test_missing_rollout_verifiers_is_an_error_naming_the_fix(monkeypatch):
     with pytest.raises(VerifiersUnavailable, match="use_domain_verifiers=False"):
         _VerifyFn(use_domain_verifiers=True).setup()
     VerifySteps(use_domain_verifiers=False)  # the generic checks need nothing
+
+
+def test_an_episode_whose_verifiers_cannot_run_is_recorded_as_skipped_not_silently_passed():
+    from pipelines.verify import DOMAIN_VERIFIERS_SKIPPED
+
+    fn = _VerifyFn(use_domain_verifiers=True)
+    fn.setup()
+    good = make_episode("a", outcome=1.0, n_steps=1)
+    bad_spec = msgspec.structs.replace(good, started=msgspec.structs.replace(good.started, task_spec="not json"))
+    no_start = msgspec.structs.replace(make_episode("b", outcome=1.0, n_steps=2), started=None)
+    names = lambda ep: [[v.verifier for v in vs] for vs in next(fn.process(ep)).verdicts]  # noqa: E731
+    assert DOMAIN_VERIFIERS_SKIPPED not in names(good)[0] and "format.valid" in names(good)[0]
+    assert names(bad_spec) == [["math.check", "pipeline.token_consistency", DOMAIN_VERIFIERS_SKIPPED]]
+    skipped = [v for vs in next(fn.process(no_start)).verdicts for v in vs if v.verifier == DOMAIN_VERIFIERS_SKIPPED]
+    assert len(skipped) == 2 and all(not v.counted and not v.passed for v in skipped)
+    assert skipped[0].details == "domain verifiers not run: no episode_started event"
+    # a data-quality record: it never votes, so the rollout's verdict alone scores the step
+    assert verification_score(next(fn.process(bad_spec)).verdicts[0], {}) == 1.0
+
+
+def test_pipeline_run_fails_in_one_line_when_rollout_verifiers_do_not_import(tmp_path):
+    # The reported bug: VerifySteps skipped the domain verifiers silently when `rollout.verifiers` could not be
+    # imported, and the dataset version stayed the same. Now the job refuses to start, from the console script.
+    import subprocess
+
+    from tests.pipelines.helpers import episodes, flat, write_archive
+
+    archive = tmp_path / "archive"
+    write_archive(archive, [flat(episodes(2, seed=3))])
+    code = ("import sys; sys.modules['rollout.verifiers'] = None  # `import rollout.verifiers` now fails\n"
+            "from trajpipe.cli import main; sys.argv = ['trajpipe', *sys.argv[1:]]; main()")
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "pipeline", "run", "--source", "archive", "--archive", str(archive), "--out",
+         str(tmp_path / "out")], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(repo)})
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "needs `rollout.verifiers`, which does not import" in errors[0] and "--no-domain-verifiers" in errors[0]
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.parquet"))
 
 
 def test_verify_runs_domain_verifiers_when_registered():

@@ -102,6 +102,20 @@ def test_wrong_types():
     assert _reason(_frame("step", body)) == "wrong_type"
 
 
+def test_bad_token_array_extensions_are_malformed_not_a_crash():
+    # Found by the fuzzer (tests/schemas/test_codec_fuzz.py): a flipped bit turned the int32 extension code 1
+    # into -24, and the codec's ext hook raised a bare ValueError, which msgspec passes through: the pipeline's
+    # decode stage crashed instead of writing a dead letter.
+    env = {"event_type": "step", "event_id": "x", "episode_id": "e", "seq": 1, "producer_id": "p", "domain": "d",
+           "task_id": "t", "step_index": 0}
+    for ext, says in [(msgspec.msgpack.Ext(-24, b"\x01\x00\x00\x00"), "unknown MessagePack extension code -24"),
+                      (msgspec.msgpack.Ext(1, b"\x01\x00\x00"), "int32 array buffer of 3 bytes"),
+                      (msgspec.msgpack.Ext(2, b"\x00" * 5), "float32 array buffer of 5 bytes")]:
+        with pytest.raises(EventDecodeError, match=says) as err:
+            decode_event(_frame("step", {**env, "action_token_ids": ext}))
+        assert err.value.reason == "malformed" and err.value.event_type == "step"
+
+
 def test_invalid_values_are_wrong_type():
     body = {"event_type": "step_verified", "event_id": "x", "episode_id": "e", "seq": -4, "producer_id": "p",
             "domain": "d", "task_id": "t", "step_index": 0, "verifier": "v", "passed": True}

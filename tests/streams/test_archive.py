@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import duckdb
+import msgspec
 import pytest
 from kafka import KafkaProducer
 
@@ -151,3 +152,29 @@ def test_archive_refuses_another_topic(tmp_path):
     _archiver(tmp_path, "127.0.0.1:1", "topic-a", [])
     with pytest.raises(ArchiveError, match="topic-a"):
         _archiver(tmp_path, "127.0.0.1:1", "topic-b", [])
+
+
+def test_damaged_archive_metadata_is_an_archive_error(tmp_path):
+    # Found by the fuzzer (tests/streams/test_archive_fuzz.py): a damaged _archive.json raised JSONDecodeError,
+    # KeyError or AttributeError, and `buckets: 0` would divide by zero in bucket_of.
+    from streams.archive import _init_archive
+
+    _init_archive(tmp_path, topic="t", buckets=4)
+    for text, says in [("{not json", "is not JSON"), ("[1]", "holds a list"),
+                       ('{"format": 1, "topic": "t"}', "`buckets` must be an integer >= 1"),
+                       ('{"format": 1, "topic": "t", "buckets": 0}', "got 0"),
+                       ('{"format": 1, "topic": "t", "buckets": null}', "got None")]:
+        (tmp_path / "_archive.json").write_text(text)
+        with pytest.raises(ArchiveError, match=says):
+            _init_archive(tmp_path, topic="t", buckets=4)
+
+
+def test_a_manifest_naming_a_file_outside_the_archive_is_an_archive_error(tmp_path):
+    from streams.archive import CommitManifest, PartitionRange, read_commits
+
+    (tmp_path / "_commits").mkdir()
+    for outside in ("/etc/passwd", "../other/c00000001.parquet", "bucket=00/../../x.parquet"):
+        manifest = CommitManifest(commit=1, topic="t", offsets={0: PartitionRange(0, 1)}, files=[outside], events=1)
+        (tmp_path / "_commits" / "00000001.json").write_bytes(msgspec.json.encode(manifest))
+        with pytest.raises(ArchiveError, match="outside the archive"):
+            read_commits(tmp_path)

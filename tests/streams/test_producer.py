@@ -168,3 +168,42 @@ def test_use_after_close(tmp_path):
     with pytest.raises(ProducerClosedError):
         producer.flush()
     assert not Path(producer.spool_path).exists()
+
+
+def test_a_frame_length_claiming_4_gib_is_a_torn_tail_not_a_4_gib_read(tmp_path):
+    # Found by the fuzzer (tests/streams/test_spool_fuzz.py): `f.read(length)` allocates the claimed length
+    # before reading, so one damaged frame header made every read of the spool allocate up to 4 GiB.
+    import tracemalloc
+    import zlib
+
+    import msgspec
+
+    from streams.producer import SPOOL_MAGIC, _scan_spool
+
+    record = msgspec.msgpack.encode((b"ep", b"value", [("h", b"1")]))
+    good = struct.pack(">II", len(record), zlib.crc32(record)) + record
+    path = tmp_path / "x.spool"
+    path.write_bytes(SPOOL_MAGIC + good + struct.pack(">II", 0xFFFFFFFF, 0) + b"rest of a torn record")
+    tracemalloc.start()
+    try:
+        assert list(read_spool(path)) == [(b"ep", b"value", [("h", b"1")])]
+        assert _scan_spool(path) == (1, len(SPOOL_MAGIC) + len(good))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+def test_a_crc_valid_frame_that_is_not_a_record_is_a_spool_error(tmp_path):
+    # Found by the fuzzer: such a frame raised ValueError/TypeError/msgspec.DecodeError out of the replay.
+    import zlib
+
+    import msgspec
+
+    from streams.producer import SPOOL_MAGIC, SpoolError
+
+    path = tmp_path / "x.spool"
+    for payload in (b"", msgspec.msgpack.encode(7), msgspec.msgpack.encode([b"k", 3, []])):
+        path.write_bytes(SPOOL_MAGIC + struct.pack(">II", len(payload), zlib.crc32(payload)) + payload)
+        with pytest.raises(SpoolError, match="passes its CRC but is not a spool record"):
+            list(read_spool(path))
