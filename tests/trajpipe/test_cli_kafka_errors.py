@@ -33,6 +33,12 @@ CLIENT = {"topics": "trajpipe-admin", "synth": "trajpipe-synth", "archive": "tra
 
 def _run(command: str, tmp_path: Path, env: dict[str, str], bootstrap: str) -> subprocess.CompletedProcess:
     args = [a.format(tmp=tmp_path, bootstrap=bootstrap) for a in COMMANDS[command]]
+    if command == "train":  # `train` checks its local flags first: give it a real model and data dir
+        from rollout.model import init_tiny_model
+
+        (tmp_path / "data").mkdir(exist_ok=True)
+        if not (tmp_path / "model").exists():
+            init_tiny_model(tmp_path / "model", seed=0)
     topic = f"test.cli.{uuid.uuid4().hex[:8]}"
     env = {**env, "TRAJPIPE_TOPICS__EVENTS": topic, "TRAJPIPE_TOPICS__DEAD_LETTERS": f"{topic}.dl",
            "TRAJPIPE_TOPICS__CONTROL": f"{topic}.ctl", "TRAJPIPE_KAFKA__CONNECT_TIMEOUT_S": "2",
