@@ -39,6 +39,28 @@ def _print_counts(counts: dict) -> None:
     print(json.dumps(counts), flush=True)
 
 
+def _ensure_topics_unless_down(conn, topics) -> None:
+    """Create the topics, unless no bootstrap server accepts a connection: then the producer spools.
+
+    A producer must start while the broker is down (its events spool and replay on a later run); only
+    the topic check needs the broker, and a run that finds it up again creates them before replaying.
+    """
+    import socket
+
+    from streams.admin import ensure_topics
+
+    for server in conn.servers:
+        host, _, port = server.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
+        except OSError:
+            continue
+        ensure_topics(conn, topics)
+        return
+    typer.echo(f"Kafka unreachable at {conn.bootstrap_servers}: events are spooled and replay on a later run",
+               err=True)
+
+
 def _fail(message: str, code: int = 2) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
@@ -137,8 +159,7 @@ def synth(
     """Emit schema-valid synthetic episodes to the events topic."""
     import time
 
-    from streams.admin import ensure_topics
-    from streams.producer import EventProducer
+    from streams.producer import EventProducer, SpoolError
     from streams.synth import generate_episodes
 
     settings = load_settings(config, bootstrap=bootstrap)
@@ -147,18 +168,23 @@ def synth(
     domain_list = [d.strip() for d in domains.split(",") if d.strip()]
     if not domain_list:
         _fail("`--domains` is empty; name at least one domain, e.g. --domains code,math")
-    ensure_topics(conn, topics)
+    _ensure_topics_unless_down(conn, topics)
     n_events = 0
     t0 = time.perf_counter()
-    with EventProducer(conn, topics.events, spool_dir=spool_dir or Path(settings.spool_dir)) as producer, _progress() as bar:
-        task = bar.add_task("synth episodes", total=episodes, rate="")
-        for i, episode in enumerate(generate_episodes(episodes, domains=domain_list, seed=seed, vocab_size=vocab_size)):
-            for event in episode:
-                producer.emit(event)
-            n_events += len(episode)
-            if i % 50 == 0 or i == episodes - 1:
-                bar.update(task, completed=i + 1, rate=f"{n_events / (time.perf_counter() - t0):,.0f} events/s")
-        stats = producer.flush()
+    try:
+        with EventProducer(conn, topics.events, spool_dir=spool_dir or Path(settings.spool_dir)) as producer, \
+                _progress() as bar:
+            task = bar.add_task("synth episodes", total=episodes, rate="")
+            for i, episode in enumerate(generate_episodes(episodes, domains=domain_list, seed=seed,
+                                                          vocab_size=vocab_size)):
+                for event in episode:
+                    producer.emit(event)
+                n_events += len(episode)
+                if i % 50 == 0 or i == episodes - 1:
+                    bar.update(task, completed=i + 1, rate=f"{n_events / (time.perf_counter() - t0):,.0f} events/s")
+            stats = producer.flush()
+    except SpoolError as err:  # e.g. the spool's disk is full
+        _fail(str(err), code=3)
     if stats.spooled:
         typer.echo(f"Kafka unreachable: {stats.spooled} events kept in the spool; they replay on the next run", err=True)
     _print_counts({"episodes": episodes, "events": n_events})
@@ -344,7 +370,6 @@ def rollout(
     from rollout.reload import PolicyFollower
     from rollout.worker import RolloutConfig, RolloutWorker, make_scheduler
     from schemas.events import SamplingParams
-    from streams.admin import ensure_topics
     from streams.producer import EventProducer
 
     domain_list = [d.strip() for d in domains.split(",") if d.strip()]
@@ -368,7 +393,7 @@ def rollout(
     producer_id = producer_id or f"rollout@{socket.gethostname()}:{os.getpid()}"
     conn = settings.connection(client_id="trajpipe-rollout")
     topics = settings.topic_names()
-    ensure_topics(conn, topics)
+    _ensure_topics_unless_down(conn, topics)
     sampling = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
     if policy == "scripted":
         from rollout.policies.scripted import ScriptedPolicy
@@ -657,8 +682,13 @@ def main() -> None:
     logging.getLogger("apache_beam.io.gcp").setLevel(logging.ERROR)
     for handler in logging.getLogger().handlers:  # Beam warns about optional GCP clients at import
         handler.addFilter(lambda record: "apitools not found" not in record.getMessage())
+    from streams.producer import SpoolError
+
     try:
         app()
     except ConfigError as err:
         typer.echo(f"error: {err}", err=True)
         sys.exit(2)
+    except SpoolError as err:  # e.g. the spool's disk is full: nothing since the last flush was acknowledged
+        typer.echo(f"error: {err}", err=True)
+        sys.exit(3)
