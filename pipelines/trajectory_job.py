@@ -69,6 +69,7 @@ import apache_beam as beam
 import msgspec
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+from kafka.errors import KafkaError
 
 from pipelines.archive_source import FRAMES_TAG, ArchiveFile, ReadArchiveEpisodes, list_archive_files, split_episode_ids
 from pipelines.assemble import EVENT_TIME_METRIC, INCOMPLETE_TAG, PENDING_TAG
@@ -106,6 +107,7 @@ from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE, RawRecords
 from pipelines.verify import VerifySteps
 from schemas.events import Event
 from streams.config import KafkaConnection, Topics
+from streams.consumer import StreamTimeoutError
 
 __all__ = ["run", "run_batch", "run_stream", "processing_time_s", "JobError", "COUNT_KEYS", "DEFAULT_MAX_FUTURE_S"]
 
@@ -692,13 +694,23 @@ def run(argv: Sequence[str] | None = None, *, conn: KafkaConnection | None = Non
         )
     total = dict.fromkeys(COUNT_KEYS, 0)
     while True:
-        counts = run_batch(
-            out=args.out, recipe=recipe, source=args.source, options=_options(args, beam_args),
-            runner_name=args.runner or "FnApiRunner", archive=args.archive, kafka=kafka,
-            incomplete_after_s=args.incomplete_after, shards=args.shards, group_timeout_s=args.group_timeout,
-            late_retention_s=args.late_retention, max_future_s=args.max_future_s,
-            use_domain_verifiers=not args.no_domain_verifiers,
-        )
+        try:
+            counts = run_batch(
+                out=args.out, recipe=recipe, source=args.source, options=_options(args, beam_args),
+                runner_name=args.runner or "FnApiRunner", archive=args.archive, kafka=kafka,
+                incomplete_after_s=args.incomplete_after, shards=args.shards, group_timeout_s=args.group_timeout,
+                late_retention_s=args.late_retention, max_future_s=args.max_future_s,
+                use_domain_verifiers=not args.no_domain_verifiers,
+            )
+        except (KafkaError, StreamTimeoutError) as err:
+            if not args.loop:
+                raise
+            # A broker restart must not end a --loop job: nothing was committed; the next micro-batch
+            # starts again from the last commit's end offsets.
+            _LOG.warning("micro-batch failed, Kafka unreachable (%s: %s); retrying in %s s",
+                         type(err).__name__, err, args.loop)
+            time.sleep(args.loop)
+            continue
         # Held counts are a state, not a flow: the loop's total is the last micro-batch's.
         total = {k: counts[k] if k in ("groups_held", "episodes_held") else total[k] + counts[k] for k in COUNT_KEYS}
         _LOG.info("micro-batch done: %s", json.dumps(counts))

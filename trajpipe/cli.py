@@ -47,6 +47,8 @@ def _ensure_topics_unless_down(conn, topics) -> None:
     """
     import socket
 
+    from kafka import errors as kafka_errors
+
     from streams.admin import ensure_topics
 
     for server in conn.servers:
@@ -55,8 +57,11 @@ def _ensure_topics_unless_down(conn, topics) -> None:
             socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
         except OSError:
             continue
-        ensure_topics(conn, topics)
-        return
+        try:
+            ensure_topics(conn, topics)
+            return
+        except (kafka_errors.KafkaConnectionError, kafka_errors.KafkaTimeoutError):  # it went away meanwhile
+            break
     typer.echo(f"Kafka unreachable at {conn.bootstrap_servers}: events are spooled and replay on a later run",
                err=True)
 

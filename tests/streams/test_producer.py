@@ -92,8 +92,10 @@ def test_spool_and_replay_across_kafka_restart(tmp_path):
                 assert producer.stats().sent == 101
                 stop_broker(data_dir)
                 stopped.set()
-            if stopped.is_set():
-                time.sleep(0.02)  # a worker keeps producing through the outage (longer than delivery timeout)
+            if i == 150:  # a worker keeps producing through the outage until a send has failed (delivery timeout)
+                deadline = time.monotonic() + 120  # a failure bound only
+                while producer.stats().send_errors == 0 and time.monotonic() < deadline:
+                    time.sleep(0.05)
         assert producer.spooling  # the outage was noticed while emitting
         stats = producer.flush()  # broker still down: everything unsent is fsync'ed in the spool
         assert stats.pending > 0 and stats.sent + stats.pending == 300
