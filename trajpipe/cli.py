@@ -214,14 +214,27 @@ def archive(
     from streams.deadletter import send_dead_letter
     from streams.producer import EventProducer
 
+    from kafka import errors as kafka_errors
+
     settings = load_settings(config, bootstrap=bootstrap)
     conn = settings.connection(client_id="trajpipe-archiver")
     topics = settings.topic_names()
-    ensure_topics(conn, topics)
     stop = threading.Event()
     if not until_end:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
+    while True:
+        try:
+            ensure_topics(conn, topics)
+            break
+        except (kafka_errors.KafkaConnectionError, kafka_errors.KafkaTimeoutError) as err:
+            if until_end:
+                raise
+            # Following the topic, a broker that is down at start is waited for, as one that goes away later.
+            typer.echo(f"Kafka unreachable at {conn.bootstrap_servers} ({err}); trying again in 2 s", err=True)
+            if stop.wait(2.0):
+                _print_counts({"events": 0, "dead_letters": 0, "commits": 0})
+                return
     console = _stderr_console()
 
     def progress(c: ArchiveCounts) -> None:
