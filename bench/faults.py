@@ -424,15 +424,17 @@ class _Injector:
             c.kill(kind[5:])
         elif kind == "kill_archiver":
             targeted = self.rng.random() < 0.5
-            _kill_when(c, "archiver", lambda: _archive_in_commit(w / "archive"), 20.0 if targeted else 0.0)
+            # Targeted: inside a commit, or (half of those) only once its manifest is written, before the renames.
+            where = _archive_after_commit_point if self.rng.random() < 0.5 else _archive_in_commit
+            _kill_when(c, "archiver", lambda: where(w / "archive"), 20.0 if targeted else 0.0)
             if _archive_in_commit(w / "archive"):
                 self.report.mid_commit_kills["archiver"] += 1
                 if _archive_after_commit_point(w / "archive"):
                     self.report.kills_after_commit_point["archiver"] += 1
         elif kind == "kill_pipeline":
             targeted = self.rng.random() < 0.5
-            _kill_when(c, "pipeline", lambda: _pipeline_after_commit_point(w / "data")
-                       or _pipeline_in_commit(w / "data"), 30.0 if targeted else 0.0)
+            where = _pipeline_after_commit_point if self.rng.random() < 0.5 else _pipeline_in_commit
+            _kill_when(c, "pipeline", lambda: where(w / "data"), 30.0 if targeted else 0.0)
             if _pipeline_in_commit(w / "data"):
                 self.report.mid_commit_kills["pipeline"] += 1
                 if _pipeline_after_commit_point(w / "data"):
@@ -706,8 +708,8 @@ def run_faults(work: Path, *, min_faults: int = 50, min_duration_s: float = 120.
             kind = rng.choices(kinds, w)[0]
             if kind == "spool_full" and report.by_kind.get("spool_full", 0) >= 3:
                 continue
-            if "spool_full" in weights and report.faults in (min_faults // 5, min_faults // 2) \
-                    and report.by_kind.get("spool_full", 0) < 2:
+            forced_at = (min_faults // 5, min_faults // 2) if min_faults >= 20 else (min_faults // 2,)
+            if "spool_full" in weights and report.faults in forced_at and report.by_kind.get("spool_full", 0) < 2:
                 kind = "spool_full"  # at least once or twice per run, whatever the draw
             if injector.inject(kind):
                 log.info("fault %d: %s", report.faults, kind)

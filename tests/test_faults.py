@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(180
 
 def test_faults_lose_nothing_and_duplicate_nothing(tmp_path):
     weights = {"kill_synth": 1.0, "kill_rollout": 1.0, "kill_archiver": 1.5, "kill_pipeline": 1.5,
-               "kill_trainer": 1.0, "kill_broker": 1.0, "spool_full": 0.5}
+               "kill_trainer": 1.0, "kill_broker": 1.0, "spool_full": 0.01}  # spool_full: once, forced
     f = run_faults(tmp_path / "work", min_faults=6, min_duration_s=90, max_duration_s=600, seed=1, weights=weights)
     print(f)
     assert f["faults"] >= 6
