@@ -11,7 +11,7 @@ CACHE := .cache
 KAFKA_JARS := $(CACHE)/kafka-jars
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-packages test fuzz demo bench lock clean kafka-jars
+.PHONY: install system-packages test fuzz demo bench faults lock clean kafka-jars
 
 PRISM := $(CACHE)/bin/prism
 FLINK_JS := $(CACHE)/jars/flink-job-server/.done
@@ -65,6 +65,10 @@ demo: install
 
 bench: install
 	$(PY) -m bench.run
+
+# Fault injection under load (bench/faults.py): >= 50 SIGKILLs, broker restarts, a full spool disk; last line JSON.
+faults: install
+	$(PY) -m bench.faults --min-faults 50
 
 lock: $(VENV)/bin/python
 	$(UV) pip compile -q --python $(PY) --no-header requirements.in -o requirements.lock

@@ -102,6 +102,15 @@ def _trainer(ctx: BenchContext) -> dict:
     return bench_loader(ctx.workdir / "trainer")
 
 
+def _faults(ctx: BenchContext) -> dict:
+    from bench.faults import run_faults
+
+    # Its own broker (it kills and restarts it); fewer faults than `make faults`.
+    f = run_faults(ctx.workdir / "faults", min_faults=15, min_duration_s=60)
+    return {"faults_survived": f["faults"] if f["ok"] else 0, "events_lost": f["events_lost"],
+            "faults_events_acknowledged": f["events_acknowledged"], "faults_duration_s": f["duration_s"]}
+
+
 BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "codec": _codec,
     "producer": _producer,
@@ -110,6 +119,7 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "rollout": _rollout,
     "round_trip": _round_trip,
     "trainer": _trainer,
+    "faults": _faults,
 }
 
 

@@ -37,6 +37,7 @@ Examples:
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -290,9 +291,10 @@ class _AssembleStatefulFn(beam.DoFn):
     RETAIN = TimerSpec("retain", TimeDomain.WATERMARK)  # end of the late retention of an incomplete episode
 
     def __init__(self, incomplete_after_s: float, end_of_input_s: float | None, *, late: LateState | None = None,
-                 late_retention_s: float = 0.0) -> None:
+                 late_retention_s: float = 0.0, end_of_input_lag_s: float | None = None) -> None:
         self._after = incomplete_after_s
         self._end_of_input_s = end_of_input_s
+        self._end_of_input_lag_s = end_of_input_lag_s
         self._late = late or LateState()
         self._retention = late_retention_s
         self._counters = {
@@ -407,7 +409,7 @@ class _AssembleStatefulFn(beam.DoFn):
         last_state.clear()
         if not unique:
             return
-        if self._end_of_input_s is not None and fired.micros >= self._end_of_input_s * 1e6:
+        if self._ended_input(fired):
             # Only the end of input (watermark to +inf) fired this timer: the episode is still open.
             yield from self._finish(unique, dups, conflicts, "pending")
             yield beam.pvalue.TaggedOutput(PENDING_TAG, (key, unique))
@@ -421,6 +423,14 @@ class _AssembleStatefulFn(beam.DoFn):
                 events_state.add(ev)
             retain.set(max(fired, Timestamp(micros=last or fired.micros) + Duration(seconds=self._retention)))
             yield beam.pvalue.TaggedOutput(LATE_TAG, LateEpisode(episode_id=key, reason=None, store=unique))
+
+    def _ended_input(self, fired: Timestamp) -> bool:
+        if self._end_of_input_s is not None and fired.micros >= self._end_of_input_s * 1e6:
+            return True
+        # A caught-up source holds the watermark at the wall clock minus its lag: a timer due later than
+        # that can only fire because the stream ended (a record stamped ahead of the clock may also move
+        # the watermark there; its episode is then carried as pending, decided by the next run).
+        return self._end_of_input_lag_s is not None and fired.micros > (time.time() - self._end_of_input_lag_s) * 1e6
 
     @on_timer(RETAIN)
     def on_retain(self, events_state=beam.DoFn.StateParam(EVENTS), done_state=beam.DoFn.StateParam(DONE)) -> None:
@@ -452,7 +462,10 @@ class AssembleEpisodesStreaming(beam.PTransform):
     time) fires every idle timer. With ``end_of_input_s`` set, a timer due at
     or after that event time (epoch seconds) can only have fired for that
     reason, so its episode goes to ``pending`` as ``(episode_id, events)``
-    for the next run instead of ``incomplete``.
+    for the next run instead of ``incomplete``. With ``end_of_input_lag_s``
+    set (a stop whose time is not known in advance), so does a timer due
+    later than the wall clock at firing minus that lag (the source's idle
+    watermark lag).
 
     Args:
         incomplete_after_s: idle event time before giving up on an episode.
@@ -461,6 +474,8 @@ class AssembleEpisodesStreaming(beam.PTransform):
         late: the late state of the last commit (:func:`pipelines.commit.load_late_state`).
         late_retention_s: event-time seconds an incomplete episode's events are
             kept (0: none; its later events are late, reason ``expired``).
+        end_of_input_lag_s: a timer due later than the wall clock minus this many
+            seconds when it fires means "input ended" (None: only ``end_of_input_s``).
 
     Returns:
         A ``DoOutputsTuple`` with ``episodes`` (main), ``incomplete``,
@@ -468,7 +483,8 @@ class AssembleEpisodesStreaming(beam.PTransform):
     """
 
     def __init__(self, *, incomplete_after_s: float = 3600.0, end_of_input_s: float | None = None,
-                 late: LateState | None = None, late_retention_s: float = 0.0) -> None:
+                 late: LateState | None = None, late_retention_s: float = 0.0,
+                 end_of_input_lag_s: float | None = None) -> None:
         super().__init__()
         if incomplete_after_s < 0 or late_retention_s < 0:
             raise ValueError(f"`incomplete_after_s` and `late_retention_s` must be >= 0, got {incomplete_after_s} "
@@ -476,9 +492,11 @@ class AssembleEpisodesStreaming(beam.PTransform):
         self._after = incomplete_after_s
         self._end_of_input_s = end_of_input_s
         self._late, self._retention = late, late_retention_s
+        self._end_of_input_lag_s = end_of_input_lag_s
 
     def expand(self, fragments):
         return fragments | "AssembleStateful" >> beam.ParDo(
-            _AssembleStatefulFn(self._after, self._end_of_input_s, late=self._late, late_retention_s=self._retention)
+            _AssembleStatefulFn(self._after, self._end_of_input_s, late=self._late, late_retention_s=self._retention,
+                                end_of_input_lag_s=self._end_of_input_lag_s)
         ).with_output_types(Episode).with_outputs(INCOMPLETE_TAG, PENDING_TAG, LATE_TAG, DEAD_LETTER_TAG,
                                                   main="episodes")

@@ -44,6 +44,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -260,6 +261,7 @@ class _ReadStreamFn(_FetchDoFnBase):
         watermarks: _StreamWatermarks,
         stop_offsets: Mapping[int, int] | None,
         stop_at: float | None,
+        stop_file: str | None = None,
         **kw: Any,
     ) -> None:
         super().__init__(conn, **kw)
@@ -268,9 +270,12 @@ class _ReadStreamFn(_FetchDoFnBase):
         self._watermarks = watermarks
         self._stop_offsets = dict(stop_offsets) if stop_offsets is not None else None
         self._stop_at = stop_at
+        self._stop_file = stop_file
 
     def _finished(self, partition: int, pos: int) -> bool:
         if self._stop_at is not None and time.time() >= self._stop_at:
+            return True
+        if self._stop_file is not None and os.path.exists(self._stop_file):
             return True
         return self._stop_offsets is not None and pos >= self._stop_offsets.get(partition, 0)
 
@@ -437,7 +442,9 @@ class ReadKafkaStream(beam.PTransform):
         stop_offsets: stop each partition once it reaches this offset (exclusive);
             partitions not named stop at once. For tests and catch-up jobs.
         stop_after_s: stop every partition this many seconds after the transform is
-            built (wall clock). For tests and demos.
+            built (wall clock). For demos.
+        stop_file: stop every partition once this path exists (a condition an
+            operator or a test decides on, e.g. "the commits hold what was sent").
         partitions: read only these partitions (default: all, looked up at build time;
             partitions added later are not picked up).
         fetch_max_bytes: most bytes per Fetch response.
@@ -461,6 +468,7 @@ class ReadKafkaStream(beam.PTransform):
         idle_watermark_lag_s: float = 10.0,
         stop_offsets: Mapping[int, int] | None = None,
         stop_after_s: float | None = None,
+        stop_file: str | None = None,
         partitions: Sequence[int] | None = None,
         fetch_max_bytes: int = 64 << 20,
         max_partition_fetch_bytes: int = 16 << 20,
@@ -491,6 +499,7 @@ class ReadKafkaStream(beam.PTransform):
             batch_size=batch_size, max_wait_ms=poll_timeout_ms, max_read_s=max_read_s, defer_s=defer_s,
             watermarks=_StreamWatermarks(idle_watermark_lag_s=idle_watermark_lag_s, max_future_s=max_future_s),
             stop_offsets=stop_offsets, stop_at=time.time() + stop_after_s if stop_after_s else None,
+            stop_file=stop_file,
             max_partition_fetch_bytes=min(fetch_max_bytes, max_partition_fetch_bytes),
         )
 

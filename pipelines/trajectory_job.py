@@ -18,7 +18,7 @@ Run locally (FnApiRunner, the default for batch)::
 
 Streaming (``--mode stream``, Kafka only): follow the topic on a streaming
 runner, one dataset commit per event-time window pane, until cancelled (or
-``--stop-after-s``); semantics in docs/pipelines.md, "Streaming mode"::
+``--stop-after-s``, ``--stop-at-end``, ``--stop-file``); semantics in docs/pipelines.md, "Streaming mode"::
 
     python -m pipelines.trajectory_job --source kafka --bootstrap 127.0.0.1:9092 --out data/datasets \\
         --mode stream --runner PrismRunner --window-s 10 --incomplete-after 600
@@ -70,6 +70,7 @@ import apache_beam as beam
 import msgspec
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+from kafka.errors import KafkaError
 
 from pipelines.archive_source import FRAMES_TAG, ArchiveFile, ReadArchiveEpisodes, list_archive_files, split_episode_ids
 from pipelines.assemble import EVENT_TIME_METRIC, INCOMPLETE_TAG, PENDING_TAG
@@ -107,7 +108,8 @@ from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE, RawRecords
 from pipelines.verify import VerifySteps
 from schemas.events import Event
 from streams.config import KafkaConnection, Topics
-from streams.errors import check_kafka, kafka_access_errors
+from streams.errors import KafkaUnavailable, check_kafka, kafka_access_errors
+from streams.consumer import StreamTimeoutError
 
 __all__ = ["run", "run_batch", "run_stream", "processing_time_s", "JobError", "COUNT_KEYS", "DEFAULT_MAX_FUTURE_S"]
 
@@ -178,8 +180,14 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     stream.add_argument("--idle-watermark-lag-s", type=float, default=10.0,
                         help="a caught-up partition's watermark trails the wall clock by this much")
     stream.add_argument("--stop-after-s", type=float, default=None,
-                        help="stop reading after SECONDS of wall time and finish (tests, demos); default: run "
+                        help="stop reading after SECONDS of wall time and finish (demos); default: run "
                              "until cancelled")
+    stream.add_argument("--stop-at-end", action="store_true",
+                        help="stop each partition at its end offset at job start and finish (catch-up runs, tests); "
+                             "episodes still open then are carried as pending, whatever the machine's speed")
+    stream.add_argument("--stop-file", default=None, metavar="PATH",
+                        help="stop reading once PATH exists and finish (a condition decided outside the job); "
+                             "episodes still open then are carried as pending")
     return parser.parse_known_args(argv)
 
 
@@ -199,6 +207,9 @@ def _check(args: argparse.Namespace) -> None:
             raise JobError("`--window-s` must be > 0, `--allowed-lateness-s` and `--idle-watermark-lag-s` >= 0")
         if args.stop_after_s is not None and args.stop_after_s <= 0:
             raise JobError(f"`--stop-after-s` must be > 0, got {args.stop_after_s}")
+    elif args.stop_at_end or args.stop_file:
+        raise JobError("`--stop-at-end` and `--stop-file` stop a --mode stream job; a batch run always stops at the "
+                       "end offsets it saw at start")
     if args.source == "archive" and not args.archive:
         raise JobError("`--archive` is required with --source archive")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
@@ -500,6 +511,8 @@ def run_stream(
     idle_watermark_lag_s: float = 10.0,
     stop_after_s: float | None = None,
     stop_offsets: dict[int, int] | None = None,
+    stop_at_end: bool = False,
+    stop_file: str | Path | None = None,
     shards: int = 1,
     group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
     late_retention_s: float = DEFAULT_LATE_RETENTION_S,
@@ -530,6 +543,11 @@ def run_stream(
         idle_watermark_lag_s: a caught-up partition's watermark trails the wall clock by this much.
         stop_after_s: stop reading after this much wall time (None: run until cancelled).
         stop_offsets: stop each partition at this offset (tests); partitions not named stop at once.
+        stop_at_end: stop each partition at its end offset at start (overrides ``stop_offsets``); the source
+            then never runs ahead of the records, so an idle timer due after the start fires only because the
+            stream ended: its episode is pending, not incomplete, however long the run takes.
+        stop_file: stop reading once this path exists; an idle timer due later than the wall clock minus
+            ``idle_watermark_lag_s`` when it fires then means "input ended" (pending, not incomplete).
         shards: files per (table, domain) per commit.
         group_timeout_s: event-time seconds a GRPO group waits for missing members.
         late_retention_s: event-time seconds an incomplete episode's events are kept for late events.
@@ -547,6 +565,7 @@ def run_stream(
     from pipelines.runners import disable_runner_splits
     from pipelines.sources_kafka import ReadKafkaStream
     from pipelines.stream_commit import CommitPending, CommitWindows, batch_offsets
+    from streams.consumer import end_offsets
 
     # The assembler keeps each episode's events in keyed state: a runner split of its bundles loses some
     # on Prism (a finished episode goes out incomplete, its group stays held, the counts do not reconcile).
@@ -562,16 +581,21 @@ def run_stream(
     late = load_late_state(layout, manifests, emitted=emitted, incomplete=committed.incomplete,
                            clock_s=manifests[-1].clock_s if manifests else 0.0, retention_s=late_retention_s)
     pending = _load_pending(latest_pending_file(layout, manifests), committed.all | held_ids)
+    if stop_at_end:
+        stop_offsets = end_offsets(kafka["conn"], topic)
     started = time.time()
-    # A timer due after the stop (minus the idle lag) can only fire because the stream ended.
-    end_of_input_s = started + stop_after_s - idle_watermark_lag_s if stop_after_s else None
+    # A timer due after the stop (minus the idle lag) can only fire because the stream ended. Stopping at the
+    # end offsets, the watermark follows the records (all written before the start), never the idle clock.
+    end_of_input_s = started if stop_at_end else (started + stop_after_s - idle_watermark_lag_s if stop_after_s
+                                                  else None)
     _LOG.info("stream of %s from %s: start offsets %s, %d pending episodes, %d committed, %d kept incomplete, "
               "recovered %s", topic, recipe.version, start, len(pending), len(committed.all), len(late.stored), fixed)
 
     p = beam.Pipeline(options=options)
     batches = p | "ReadKafkaStream" >> ReadKafkaStream(
         kafka["conn"], topic, start_offsets=start, idle_watermark_lag_s=idle_watermark_lag_s,
-        stop_after_s=stop_after_s, stop_offsets=stop_offsets, max_future_s=max_future_s)
+        stop_after_s=stop_after_s, stop_offsets=stop_offsets, max_future_s=max_future_s,
+        stop_file=str(stop_file) if stop_file else None)
     decoded = batches | "DecodeAndValidate" >> DecodeAndValidate(max_future_s=max_future_s)
     pending_in = (p | "PendingState" >> beam.Create(pending, reshuffle=False)
                   | "StampPending" >> beam.ParDo(_StampPendingFn(started)).with_output_types(Tuple[str, List[Event]]))
@@ -582,7 +606,9 @@ def run_stream(
             Tuple[str, List[Event]])
         | "AssembleEpisodes" >> AssembleEpisodesStreaming(incomplete_after_s=incomplete_after_s,
                                                          end_of_input_s=end_of_input_s, late=late,
-                                                         late_retention_s=late_retention_s)
+                                                         late_retention_s=late_retention_s,
+                                                         end_of_input_lag_s=idle_watermark_lag_s if stop_file
+                                                         else None)
     )
     episodes = assembled.episodes | "Process" >> ProcessEpisodes(recipe, use_domain_verifiers=use_domain_verifiers)
     dead = (decoded[DEAD_LETTER_TAG], assembled[DEAD_LETTER_TAG]) | "AllDeadLetters" >> beam.Flatten()
@@ -674,19 +700,30 @@ def run(argv: Sequence[str] | None = None, *, conn: KafkaConnection | None = Non
             out=args.out, recipe=recipe, kafka=kafka, options=options,
             window_s=args.window_s, allowed_lateness_s=args.allowed_lateness_s,
             incomplete_after_s=args.incomplete_after, idle_watermark_lag_s=args.idle_watermark_lag_s,
-            stop_after_s=args.stop_after_s, shards=args.shards, group_timeout_s=args.group_timeout,
+            stop_after_s=args.stop_after_s, stop_at_end=args.stop_at_end, stop_file=args.stop_file,
+            shards=args.shards, group_timeout_s=args.group_timeout,
             late_retention_s=args.late_retention, max_future_s=args.max_future_s,
             use_domain_verifiers=not args.no_domain_verifiers,
         )
     total = dict.fromkeys(COUNT_KEYS, 0)
     while True:
-        counts = run_batch(
-            out=args.out, recipe=recipe, source=args.source, options=_options(args, beam_args),
-            runner_name=args.runner or "FnApiRunner", archive=args.archive, kafka=kafka,
-            incomplete_after_s=args.incomplete_after, shards=args.shards, group_timeout_s=args.group_timeout,
-            late_retention_s=args.late_retention, max_future_s=args.max_future_s,
-            use_domain_verifiers=not args.no_domain_verifiers,
-        )
+        try:
+            counts = run_batch(
+                out=args.out, recipe=recipe, source=args.source, options=_options(args, beam_args),
+                runner_name=args.runner or "FnApiRunner", archive=args.archive, kafka=kafka,
+                incomplete_after_s=args.incomplete_after, shards=args.shards, group_timeout_s=args.group_timeout,
+                late_retention_s=args.late_retention, max_future_s=args.max_future_s,
+                use_domain_verifiers=not args.no_domain_verifiers,
+            )
+        except (KafkaError, KafkaUnavailable, StreamTimeoutError) as err:
+            if not args.loop:
+                raise
+            # A broker restart must not end a --loop job: nothing was committed; the next micro-batch
+            # starts again from the last commit's end offsets.
+            _LOG.warning("micro-batch failed, Kafka unreachable (%s: %s); retrying in %s s",
+                         type(err).__name__, err, args.loop)
+            time.sleep(args.loop)
+            continue
         # Held counts are a state, not a flow: the loop's total is the last micro-batch's.
         total = {k: counts[k] if k in ("groups_held", "episodes_held") else total[k] + counts[k] for k in COUNT_KEYS}
         _LOG.info("micro-batch done: %s", json.dumps(counts))

@@ -32,14 +32,15 @@ from typing import Any
 
 import msgspec
 import pyarrow.parquet as pq
+from kafka.errors import KafkaError
 
 from schemas.arrow import events_to_table
 from schemas.codec import EventDecodeError, decode_event
 from schemas.events import SCHEMA_VERSION, Event
 from schemas.storage import atomic_write, fsync_dir
 from streams.config import KafkaConnection
-from streams.consumer import OffsetRange, end_offsets
-from streams.errors import kafka_access_errors
+from streams.consumer import OffsetRange, StreamTimeoutError, end_offsets
+from streams.errors import KafkaUnavailable, kafka_access_errors
 from streams.fetch import PartitionReader, read_partition
 
 __all__ = [
@@ -306,11 +307,32 @@ class Archiver:
                 offsets[int(p)] = max(offsets.get(int(p), 0), r.end)
         return offsets
 
-    def run(self, *, until_end: bool = True, stop: threading.Event | None = None, poll_interval_s: float = 1.0) -> ArchiveCounts:
-        """Archive until the end offsets seen at start (``until_end``) or until ``stop`` is set."""
+    def run(self, *, until_end: bool = True, stop: threading.Event | None = None, poll_interval_s: float = 1.0,
+            retry_s: float = 2.0) -> ArchiveCounts:
+        """Archive until the end offsets seen at start (``until_end``) or until ``stop`` is set.
+
+        Following the topic (``until_end=False``), a broker that goes away is waited for: the
+        uncommitted part of the drain is dropped and read again from the last commit's end offsets
+        every ``retry_s`` seconds until the broker answers (a broker restart must not end the
+        archiver). With ``until_end`` the error is raised.
+        """
         recover_archive(self.out)
         counts = ArchiveCounts()
         stop = stop or threading.Event()
+        while not stop.is_set():
+            try:
+                self._follow(counts, stop, until_end=until_end, poll_interval_s=poll_interval_s)
+                return counts
+            except (KafkaError, KafkaUnavailable, StreamTimeoutError) as err:
+                if until_end:
+                    raise
+                log.warning("Kafka unreachable (%s: %s); reading again from the last commit in %.1f s",
+                            type(err).__name__, err, retry_s)
+                stop.wait(retry_s)
+        return counts
+
+    def _follow(self, counts: ArchiveCounts, stop: threading.Event, *, until_end: bool,
+                poll_interval_s: float) -> None:
         with kafka_access_errors(self.conn, what=f"read topic {self.topic!r}"), PartitionReader(self.conn) as reader:
             while not stop.is_set():
                 start = self.committed_offsets()
@@ -323,9 +345,8 @@ class Archiver:
                 if ranges:
                     self._drain(ranges, reader, counts, stop)
                 if until_end:
-                    break
+                    return
                 stop.wait(poll_interval_s)
-        return counts
 
     def _drain(self, ranges: list[OffsetRange], reader: PartitionReader, counts: ArchiveCounts,
                stop: threading.Event) -> None:

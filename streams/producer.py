@@ -69,6 +69,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -97,6 +98,7 @@ __all__ = [
     "EventProducer",
     "ProducerStats",
     "SpoolError",
+    "SpoolFullError",
     "SpoolLockedError",
     "ProducerClosedError",
     "read_spool",
@@ -119,6 +121,17 @@ Header = tuple[str, bytes]
 
 class SpoolError(RuntimeError):
     """The spool file or directory cannot be used."""
+
+
+class SpoolFullError(SpoolError):
+    """The spool could not be written (disk full, quota, file-size limit): events since the last flush are not acknowledged.
+
+    The spool is fail-stop: after one failed write nothing more is appended by
+    this producer (a record after a torn one could not be read back), so every
+    later :meth:`EventProducer.emit` and :meth:`EventProducer.flush` raises this
+    too. What was acknowledged before stays in the spool; a new producer on the
+    same ``spool_dir`` drops the torn tail and replays the rest.
+    """
 
 
 class SpoolLockedError(SpoolError):
@@ -150,7 +163,14 @@ class ProducerStats(msgspec.Struct, frozen=True):
 
 
 class _Spool:
-    """Append-only, CRC-framed record file with torn-tail recovery."""
+    """Append-only, CRC-framed record file with torn-tail recovery.
+
+    Records are buffered in memory (``_SPOOL_BUFFER`` bytes) and written with
+    plain ``write`` calls; :meth:`sync` writes the rest and fsyncs. A failed
+    write makes the spool fail-stop (:class:`SpoolFullError`): the buffer is
+    dropped and the file cut back to its last synced size, so no record can
+    ever follow a torn one.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -164,6 +184,11 @@ class _Spool:
             ) from None
         self._write_lock = threading.Lock()
         self._file: Any = None
+        self._buffer = bytearray()
+        #: file size after the last successful sync (what a failed write is cut back to)
+        self._synced_size = 0
+        #: the first write error; once set, the spool is fail-stop (see SpoolFullError)
+        self.broken: SpoolFullError | None = None
         #: records in the spool file now; ``appended``: records ever appended by this process.
         self.count = 0
         self.appended = 0
@@ -182,26 +207,73 @@ class _Spool:
 
     def _open(self) -> Any:
         if self._file is None:
-            new = not self.path.exists() or self.path.stat().st_size == 0
-            self._file = open(self.path, "ab", buffering=_SPOOL_BUFFER)
-            if new:
-                self._file.write(SPOOL_MAGIC)
+            self._file = open(self.path, "ab", buffering=0)
+            self._synced_size = self._file.seek(0, os.SEEK_END)
+            if self._synced_size == 0:
+                self._buffer += SPOOL_MAGIC
         return self._file
 
     def append(self, key: bytes | None, value: bytes, headers: list[Header]) -> None:
         payload = msgspec.msgpack.encode((key, value, headers))
         with self._write_lock:
-            f = self._open()
-            f.write(_FRAME.pack(len(payload), zlib.crc32(payload)))
-            f.write(payload)
+            self._check()
+            try:
+                self._open()
+                self._buffer += _FRAME.pack(len(payload), zlib.crc32(payload))
+                self._buffer += payload
+                if len(self._buffer) >= _SPOOL_BUFFER:
+                    self._write_buffer()
+            except OSError as err:
+                raise self._fail(err) from err
             self.count += 1
             self.appended += 1
 
     def sync(self) -> None:
         with self._write_lock:
-            if self._file is not None:
-                self._file.flush()
+            self._check()
+            if self._file is None:
+                return
+            try:
+                self._write_buffer()
                 os.fsync(self._file.fileno())
+            except OSError as err:
+                raise self._fail(err) from err
+            self._synced_size = self._file.tell()
+
+    def _write_buffer(self) -> None:
+        view = memoryview(self._buffer)
+        done = 0
+        try:
+            while done < len(view):
+                done += self._file.write(view[done:])
+        finally:
+            view.release()
+        del self._buffer[:done]
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise self.broken
+
+    def _fail(self, err: OSError) -> SpoolFullError:
+        """Make the spool fail-stop after a write error: drop the buffer, cut the file back to its last sync."""
+        free = ""
+        with contextlib.suppress(OSError):
+            st = os.statvfs(self.path.parent)
+            free = f", {st.f_bavail * st.f_frsize:,} bytes free"
+        self.broken = SpoolFullError(
+            f"cannot write the spool {self.path} ({err.strerror or err}{free}): events emitted since the last "
+            f"flush are not acknowledged; free space in {self.path.parent} (or give --spool-dir a larger disk) "
+            "and run again: what was acknowledged is replayed"
+        )
+        self._buffer.clear()
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._file.fileno(), self._synced_size)
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+        log.error("%s", self.broken)
+        return self.broken
 
     def records(self) -> Iterator[tuple[bytes | None, bytes, list[Header]]]:
         self.sync()
@@ -215,19 +287,22 @@ class _Spool:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+            self._buffer.clear()
             self.path.unlink(missing_ok=True)
             fsync_dir(self.path.parent)
             self.count = 0
 
     def close(self) -> None:
-        self.sync()
-        with self._write_lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
-        if self.count == 0:
-            self.path.unlink(missing_ok=True)
-        self._lock_file.close()
+        try:
+            self.sync()
+            with self._write_lock:
+                if self._file is not None:
+                    self._file.close()
+                    self._file = None
+            if self.count == 0:
+                self.path.unlink(missing_ok=True)
+        finally:
+            self._lock_file.close()
 
 
 def _scan_spool(path: Path) -> tuple[int, int]:

@@ -417,9 +417,11 @@ def synth(
     _ensure_topics_or_spool(conn, topics, spool=spool_dir is not None or settings.spool_configured)
     n_events = 0
     t0 = time.perf_counter()
-    with EventProducer(conn, topics.events, spool_dir=spool_dir or Path(settings.spool_dir)) as producer, _progress() as bar:
+    with EventProducer(conn, topics.events, spool_dir=spool_dir or Path(settings.spool_dir)) as producer, \
+            _progress() as bar:
         task = bar.add_task("synth episodes", total=episodes, rate="")
-        for i, episode in enumerate(generate_episodes(episodes, domains=domain_list, seed=seed, vocab_size=vocab_size)):
+        for i, episode in enumerate(generate_episodes(episodes, domains=domain_list, seed=seed,
+                                                      vocab_size=vocab_size)):
             for event in episode:
                 producer.emit(event)
             n_events += len(episode)
@@ -453,16 +455,30 @@ def archive(
     from streams.admin import ensure_topics
     from streams.archive import ArchiveCounts, Archiver
     from streams.deadletter import send_dead_letter
+    from streams.errors import KafkaUnavailable
     from streams.producer import EventProducer
+
+    from kafka import errors as kafka_errors
 
     settings = load_settings(config, bootstrap=bootstrap)
     conn = settings.connection(client_id="trajpipe-archiver")
     topics = settings.topic_names()
-    ensure_topics(conn, topics)
     stop = threading.Event()
     if not until_end:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
+    while True:
+        try:
+            ensure_topics(conn, topics)
+            break
+        except (KafkaUnavailable, kafka_errors.KafkaConnectionError, kafka_errors.KafkaTimeoutError) as err:
+            if until_end:
+                raise
+            # Following the topic, a broker that is down at start is waited for, as one that goes away later.
+            typer.echo(f"Kafka unreachable at {conn.bootstrap_servers} ({err}); trying again in 2 s", err=True)
+            if stop.wait(2.0):
+                _print_counts({"events": 0, "dead_letters": 0, "commits": 0})
+                return
     console = _stderr_console()
 
     def progress(c: ArchiveCounts) -> None:

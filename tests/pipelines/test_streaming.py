@@ -5,6 +5,11 @@ while the job runs; the test thread polls the dataset's manifests. Proved:
 commits (Parquet rows) become visible while the producer is still running,
 and at the end every finished episode is in ``trajectories/`` exactly once
 with all its steps, and the one never-finished episode once, as incomplete.
+
+Every job here stops on a condition, never on a wall-clock budget (a busy
+machine reads slower): ``--stop-at-end`` once its input is produced, or
+``--stop-file`` written when the manifests show what the test waits for.
+``WAIT_S`` only bounds how long a condition may take before the test fails.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ pytestmark = [
 
 N = 40  # finished episodes, ~12 events each
 PRODUCE_S = 8.0
-STOP_AFTER_S = 30.0
+WAIT_S = 300.0  # a failure timeout only: the longest a condition may take on a loaded machine
 # Event-time idleness before an open episode is given up. A caught-up partition's watermark follows the
 # wall clock, so an event delivered this much later than the one before it (producer flushes behind a
 # busy broker, the GIL shared with the in-process SDK worker on a loaded 2-core machine) makes a finished
@@ -43,6 +48,23 @@ INCOMPLETE_AFTER_S = 12.0
 
 def _manifests(out: Path) -> list[DatasetManifest]:
     return [msgspec.json.decode(p.read_bytes(), type=DatasetManifest) for p in sorted(out.glob("_manifests/*/*.json"))]
+
+
+def _committed(out: Path, key: str) -> int:
+    return sum(m.counts.get(key, 0) for m in _manifests(out))
+
+
+def _stop_when(condition, stop_file: Path, stop: threading.Event) -> threading.Thread:
+    """Write ``stop_file`` (the job's ``--stop-file``) once ``condition()`` holds, or after WAIT_S (the test fails)."""
+    def watch() -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not stop.is_set() and not condition() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stop_file.touch()
+
+    thread = threading.Thread(target=watch, name="stop-when")
+    thread.start()
+    return thread
 
 
 def _produce(conn: KafkaConnection, topic: str, eps: list[list], spool: Path, done: dict) -> None:
@@ -85,16 +107,20 @@ def test_stream_commits_while_producing_and_ends_exactly_once(kafka_broker, topi
     watcher = threading.Thread(target=watch, name="watcher")
     producer.start()
     watcher.start()
+    # Stop once everything sent is committed: N complete episodes and the unfinished one, incomplete.
+    stopper = _stop_when(lambda: "at" in produced and _committed(out, "episodes") >= N
+                         and _committed(out, "incomplete_episodes") >= 1, tmp_path / "stop", stop)
     try:
         # The job runs in the main thread (Beam installs a signal handler while it waits).
         counts = run(["--source", "kafka", "--bootstrap", kafka_broker.bootstrap, "--topic", topic_name,
                       "--out", str(out), "--mode", "stream", "--runner", "PrismRunner",
                       "--window-s", "2", "--incomplete-after", str(INCOMPLETE_AFTER_S), "--idle-watermark-lag-s", "1",
-                      "--stop-after-s", str(STOP_AFTER_S)])
+                      "--stop-file", str(tmp_path / "stop")])
     finally:
         stop.set()
         producer.join(timeout=30)
         watcher.join(timeout=5)
+        stopper.join(timeout=5)
     first_commit = seen.get("first_commit")
     assert first_commit is not None, "no commit with episodes"
     print(f"first commit {first_commit - t0:.1f}s, producer done {produced['at'] - t0:.1f}s, "
@@ -144,7 +170,7 @@ def test_stop_carries_open_episodes_and_restart_completes_them(kafka_broker, top
     out = tmp_path / "out"
     args = ["--source", "kafka", "--bootstrap", kafka_broker.bootstrap, "--topic", topic_name, "--out", str(out),
             "--mode", "stream", "--window-s", "2", "--incomplete-after", "60", "--idle-watermark-lag-s", "1",
-            "--stop-after-s", "8"]
+            "--stop-at-end"]
     _produce_now(conn, topic_name, [ev for ep in done for ev in ep] + [ev for ep in open_ for ev in ep[:4]],
                  tmp_path / "spool")
     c1 = run(args)
@@ -183,27 +209,28 @@ def test_late_tails_complete_incomplete_episodes_in_the_stream_and_after_a_resta
     _produce_now(conn, topic_name, [ev for ep in eps if ep not in (a, b) for ev in ep] + a[:-3] + b[:-3],
                  tmp_path / "spool")
     sent: dict = {}
+    stop = threading.Event()
 
-    def send_a_tail_once_a_is_incomplete() -> None:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if sum(m.counts.get("incomplete_episodes", 0) for m in _manifests(out)) >= 2:
-                _produce_now(conn, topic_name, a[-3:] + a[:1], tmp_path / "spool")
-                sent["at"] = time.monotonic()
-                return
-            time.sleep(0.2)
+    def send_a_tail_once_a_is_incomplete() -> bool:
+        if "at" not in sent and _committed(out, "incomplete_episodes") >= 2:
+            _produce_now(conn, topic_name, a[-3:] + a[:1], tmp_path / "spool")
+            sent["at"] = time.monotonic()
+        # Stop once a's tail completed it (its late commit) and every record sent is covered by a commit.
+        return "at" in sent and _committed(out, "episodes_completed_late") >= 1 and _committed(out, "events_in") >= sent_n
 
-    tail = threading.Thread(target=send_a_tail_once_a_is_incomplete, name="late-tail")
-    tail.start()
+    sent_n = sum(map(len, eps)) - 3 + 1  # all but b's tail, plus a copy of a's first event
+
+    stopper = _stop_when(send_a_tail_once_a_is_incomplete, tmp_path / "stop", stop)
     try:
-        c1 = run([*args, "--stop-after-s", "30"])
+        c1 = run([*args, "--stop-file", str(tmp_path / "stop")])
     finally:
-        tail.join(timeout=30)
+        stop.set()
+        stopper.join(timeout=30)
     assert "at" in sent, "a and b were never committed incomplete"
     assert (c1["incomplete_episodes"], c1["late_events"], c1["episodes_completed_late"]) == (2, 3, 1), c1
     assert c1["duplicates"] == 1, c1  # the copy of a kept event
     _produce_now(conn, topic_name, b[-3:] + a[-3:], tmp_path / "spool")
-    c2 = run([*args, "--stop-after-s", "10"])
+    c2 = run([*args, "--stop-at-end"])
     assert (c2["late_events"], c2["episodes_completed_late"], c2["duplicates"]) == (3, 1, 3), c2
     for c in (c1, c2):
         assert (c["events_in"] + c["events_pending_in"] == c["events_used"] + c["events_incomplete"]

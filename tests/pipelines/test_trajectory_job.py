@@ -214,6 +214,8 @@ def test_option_errors_name_the_option(tmp_path):
     with pytest.raises(JobError, match="`--stop-after-s`"):
         run(["--source", "kafka", "--bootstrap", "b:1", "--out", str(tmp_path), "--mode", "stream",
              "--stop-after-s", "0"])
+    with pytest.raises(JobError, match="`--stop-at-end` and `--stop-file` stop a --mode stream job"):
+        run(["--source", "kafka", "--bootstrap", "b:1", "--out", str(tmp_path), "--stop-at-end"])
 
 
 def test_cli_bad_recipe_and_options_are_one_line_each(tmp_path):

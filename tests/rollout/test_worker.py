@@ -148,7 +148,7 @@ def test_stuck_episode_is_closed_at_shutdown_and_its_late_events_dropped():
     n = len(events)
     assert counts.stuck == 1 and counts.aborted == 1 and counts.events == n
     policy.release.set()  # the abandoned thread wakes up; its next event must not reach the log
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a failure bound only
     while any(t.name.startswith("episode") and t.is_alive() for t in threading.enumerate()):
         assert time.monotonic() < deadline, "the abandoned episode thread did not end"
         time.sleep(0.05)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -178,3 +179,36 @@ def test_a_manifest_naming_a_file_outside_the_archive_is_an_archive_error(tmp_pa
         (tmp_path / "_commits" / "00000001.json").write_bytes(msgspec.json.encode(manifest))
         with pytest.raises(ArchiveError, match="outside the archive"):
             read_commits(tmp_path)
+
+
+def test_following_archiver_waits_for_a_broker_that_went_away(tmp_path, caplog):
+    """A broker outage must not end a following archiver: it logs, waits and reads again from its last commit
+    (before, the first failed offset lookup raised out of `trajpipe archive` and the archiver was gone)."""
+    import logging
+    import threading
+
+    from tests.helpers import free_port
+
+    archiver = Archiver(tmp_path / "archive", conn=KafkaConnection(bootstrap_servers=f"127.0.0.1:{free_port()}",
+                                                                    request_timeout_ms=1_000),
+                        topic="t", dead_letter=lambda rec, err: None)
+    stop = threading.Event()
+    result: dict = {}
+
+    def follow() -> None:
+        try:
+            result["counts"] = archiver.run(until_end=False, stop=stop, poll_interval_s=0.1, retry_s=0.1)
+        except Exception as err:  # noqa: BLE001 - the assertion below names it
+            result["error"] = err
+
+    with caplog.at_level(logging.WARNING, logger="streams.archive"):
+        thread = threading.Thread(target=follow)
+        thread.start()
+        deadline = time.monotonic() + 120  # a failure bound only: two failed lookups are the condition
+        while sum("Kafka unreachable" in r.getMessage() for r in caplog.records) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stop.set()
+        thread.join(timeout=60)
+    assert "error" not in result, result
+    assert result["counts"].events == 0
+    assert sum("Kafka unreachable" in r.getMessage() for r in caplog.records) >= 2

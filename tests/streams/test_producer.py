@@ -92,8 +92,10 @@ def test_spool_and_replay_across_kafka_restart(tmp_path):
                 assert producer.stats().sent == 101
                 stop_broker(data_dir)
                 stopped.set()
-            if stopped.is_set():
-                time.sleep(0.02)  # a worker keeps producing through the outage (longer than delivery timeout)
+            if i == 150:  # a worker keeps producing through the outage until a send has failed (delivery timeout)
+                deadline = time.monotonic() + 120  # a failure bound only
+                while producer.stats().send_errors == 0 and time.monotonic() < deadline:
+                    time.sleep(0.05)
         assert producer.spooling  # the outage was noticed while emitting
         stats = producer.flush()  # broker still down: everything unsent is fsync'ed in the spool
         assert stats.pending > 0 and stats.sent + stats.pending == 300
@@ -207,3 +209,66 @@ def test_a_crc_valid_frame_that_is_not_a_record_is_a_spool_error(tmp_path):
         path.write_bytes(SPOOL_MAGIC + struct.pack(">II", len(payload), zlib.crc32(payload)) + payload)
         with pytest.raises(SpoolError, match="passes its CRC but is not a spool record"):
             list(read_spool(path))
+
+
+_FULL_SPOOL_SCRIPT = r"""
+import resource, signal, sys
+from pathlib import Path
+from streams.config import KafkaConnection
+from streams.producer import EventProducer, SpoolFullError
+from tests.streams.conftest import make_events
+
+spool, port = Path(sys.argv[1]), sys.argv[2]
+conn = KafkaConnection(bootstrap_servers=f"127.0.0.1:{port}", request_timeout_ms=1_000)
+events = make_events(episodes=40, steps=10)
+producer = EventProducer(conn, "t", spool_dir=spool, delivery_timeout_ms=3_000, connect_timeout_ms=200)
+for ev in events[:30]:
+    producer.emit(ev)
+producer.flush()  # 30 events acknowledged (fsync'ed in the spool)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit as a full disk: writes fail with EFBIG
+size = next(spool.glob("*.spool")).stat().st_size
+resource.setrlimit(resource.RLIMIT_FSIZE, (size + 3000, resource.RLIM_INFINITY))
+errors = []
+for ev in events[30:]:
+    try:
+        producer.emit(ev)
+    except SpoolFullError as err:
+        errors.append(err)
+try:
+    producer.flush()
+except SpoolFullError as err:
+    errors.append(err)
+# The disk has room again: a record written now would follow a torn one and be lost on read, so the spool
+# stays fail-stop (nothing more is appended, flush keeps failing: nothing more is acknowledged).
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+for ev in events[:5]:
+    try:
+        producer.emit(ev)
+    except SpoolFullError as err:
+        errors.append(err)
+try:
+    producer.close()
+except SpoolFullError as err:
+    errors.append(err)
+print(len(errors), str(errors[0]))
+"""
+
+
+def test_full_spool_disk_fails_clearly_and_keeps_what_was_acknowledged(tmp_path):
+    """A full spool disk (here a file-size limit) raises SpoolFullError at once, on every later emit and flush,
+    and leaves the spool readable: the events acknowledged before are all there, nothing after a torn record."""
+    import subprocess
+    import sys
+
+    spool = tmp_path / "spool"
+    proc = subprocess.run([sys.executable, "-c", _FULL_SPOOL_SCRIPT, str(spool), str(free_port())],
+                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    n_errors, message = proc.stdout.strip().split(" ", 1)
+    assert int(n_errors) >= 7 and "not acknowledged" in message and "free space" in message, proc.stdout
+    records = list(read_spool(next(spool.glob("*.spool"))))
+    first = make_events(episodes=40, steps=10)[:30]
+    assert [decode_event(v).event_id for _, v, _ in records[:30]] == [ev.event_id for ev in first]
+    # A new producer drops nothing acknowledged and replays only intact records.
+    with EventProducer(_dead_conn(), "t", spool_dir=spool, **FAST) as producer:
+        assert producer.stats().pending == len(records) >= 30
