@@ -415,6 +415,17 @@ class _Injector:
         self.spool_full_seed = 100_000
         self._mount: Path | None = None
 
+    def _kill_in_commit(self, name: str, root: Path, in_commit, after_commit_point, bound_s: float) -> None:
+        """SIGKILL ``name``; half the time only once it is inside a commit (half of those: once its manifest is
+        written, before the renames), waiting at most ``bound_s``. What the kill hit is read from ``root``."""
+        targeted = self.rng.random() < 0.5
+        where = after_commit_point if self.rng.random() < 0.5 else in_commit
+        _kill_when(self.c, name, lambda: where(root), bound_s if targeted else 0.0)
+        if in_commit(root):
+            self.report.mid_commit_kills[name] += 1
+            if after_commit_point(root):
+                self.report.kills_after_commit_point[name] += 1
+
     def inject(self, kind: str) -> bool:
         """Inject one fault of ``kind``; False when there was nothing to hit (not counted)."""
         c, w = self.c, self.c.work
@@ -423,22 +434,9 @@ class _Injector:
         if kind in ("kill_synth", "kill_rollout"):
             c.kill(kind[5:])
         elif kind == "kill_archiver":
-            targeted = self.rng.random() < 0.5
-            # Targeted: inside a commit, or (half of those) only once its manifest is written, before the renames.
-            where = _archive_after_commit_point if self.rng.random() < 0.5 else _archive_in_commit
-            _kill_when(c, "archiver", lambda: where(w / "archive"), 20.0 if targeted else 0.0)
-            if _archive_in_commit(w / "archive"):
-                self.report.mid_commit_kills["archiver"] += 1
-                if _archive_after_commit_point(w / "archive"):
-                    self.report.kills_after_commit_point["archiver"] += 1
+            self._kill_in_commit("archiver", w / "archive", _archive_in_commit, _archive_after_commit_point, 20.0)
         elif kind == "kill_pipeline":
-            targeted = self.rng.random() < 0.5
-            where = _pipeline_after_commit_point if self.rng.random() < 0.5 else _pipeline_in_commit
-            _kill_when(c, "pipeline", lambda: where(w / "data"), 30.0 if targeted else 0.0)
-            if _pipeline_in_commit(w / "data"):
-                self.report.mid_commit_kills["pipeline"] += 1
-                if _pipeline_after_commit_point(w / "data"):
-                    self.report.kills_after_commit_point["pipeline"] += 1
+            self._kill_in_commit("pipeline", w / "data", _pipeline_in_commit, _pipeline_after_commit_point, 30.0)
         elif kind == "kill_trainer":
             targeted = self.rng.random() < 0.7
             _kill_when(c, "trainer", lambda: _trainer_in_checkpoint(w / "train" / "checkpoints"),

@@ -11,18 +11,9 @@ import pytest
 
 from rollout.bench_sandbox import measure_start
 from rollout.sandbox import Sandbox, SandboxError
+from rollout.sandbox.uids import _uid_pids as _uid_processes
 
 
-def _uid_processes(uid: int) -> list[int]:
-    pids = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if entry.stat().st_uid == uid:
-                    pids.append(int(entry.name))
-            except OSError:
-                pass
-    return pids
 
 
 def test_runs_commands_and_tracks_files(sandbox):
