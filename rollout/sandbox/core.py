@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -292,6 +293,10 @@ class Sandbox:
         data_in = stdin.encode() if isinstance(stdin, str) else stdin
         started = time.monotonic()
         proc, status_r, block_w = self._spawn(argv_cmd, with_stdin=bool(data_in))
+        # bwrap's outer process inherits our peak RSS: exec records the old (forked) mm's high-water mark in the
+        # new program's ru_maxrss. Read after the fork (a peak only grows), its own wait4 peak means something
+        # only above this bound.
+        spawner_peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         status, admit_error = b"", None
         if block_w is not None:
             status, admit_error = self._admit(proc, status_r, block_w, deadline=started + timeout)
@@ -314,7 +319,8 @@ class Sandbox:
             raise SandboxError(f"bwrap failed to set up the sandbox (exit {pumped.returncode}): "
                                f"{pumped.stderr.strip()[:500]}")
         exit_status = -9 if pumped.stopped_by_us else pumped.returncode
-        reason = judge(self._facts(exit_status, pumped.stopped_by_us, [pumped.usage, *usages]),
+        reason = judge(self._facts(exit_status, pumped.stopped_by_us, pumped.usage, usages,
+                                   spawner_peak_kb=spawner_peak_kb),
                        cpu_time_limit_s=self.limits.cpu_time_s,
                        memory_limit_bytes=self.limits.memory_bytes,
                        rlimit_memory=self._cgroup is None)
@@ -403,8 +409,21 @@ class Sandbox:
             os.close(block_w)
         return status, error
 
-    def _facts(self, exit_status: int, stopped_by_us: str | None, usages: list) -> KernelFacts:
-        usages = [u for u in usages if u is not None]
+    def _facts(self, exit_status: int, stopped_by_us: str | None, outer_usage, reaped: list, *,
+               spawner_peak_kb: int) -> KernelFacts:
+        """The kernel facts of one command.
+
+        ``outer_usage`` is bwrap's outer process (collected by the pump); ``reaped`` are processes we reaped
+        ourselves (bwrap's pid 1 when adopted, the uid's leftovers), which never ran our image. The outer
+        process's ``ru_maxrss`` starts at the spawner's own peak (``spawner_peak_kb``, recorded at its exec),
+        so it is evidence of the command's peak only when above it: a worker that holds a model must not
+        see every failed command as ``memory_limit``.
+        """
+        reaped = [u for u in reaped if u is not None]
+        usages = [u for u in (outer_usage, *reaped) if u is not None]
+        peaks = [u.ru_maxrss for u in reaped]
+        if outer_usage is not None and outer_usage.ru_maxrss > spawner_peak_kb:
+            peaks.append(outer_usage.ru_maxrss)
         oom = forks = 0
         if self._cgroup is not None:
             now = self._cgroup.counters()
@@ -418,7 +437,7 @@ class Sandbox:
             stopped_by_us=stopped_by_us,
             oom_kills=max(oom, 0),
             forks_refused=max(forks, 0),
-            peak_rss_bytes=max((u.ru_maxrss for u in usages), default=0) * 1024 if usages else None,
+            peak_rss_bytes=max(peaks) * 1024 if peaks else None,
             cpu_time_s=sum(u.ru_utime + u.ru_stime for u in usages) if usages else None,
             file_at_size_limit=at_size,
         )

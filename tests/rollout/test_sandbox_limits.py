@@ -64,6 +64,21 @@ def test_single_oversized_allocation(limited):
         assert r.killed_reason == "memory_limit" and r.exit_status == 137
 
 
+def test_a_worker_bigger_than_the_limit_does_not_make_every_failure_a_memory_limit(sandbox_root):
+    # Found by the clean-clone `make test`: bwrap's outer process starts with the worker's peak RSS (exec records
+    # the forked mm's high-water mark in ru_maxrss), so once pytest (or a worker holding a model) had grown past
+    # 7/8 of the sandbox's memory limit, every failed command under the rlimit fallback was `memory_limit`.
+    ballast = bytearray(TEST_LIMITS.memory_bytes + (128 << 20))
+    for i in range(0, len(ballast), 4096):  # touch every page: resident, not just reserved
+        ballast[i] = 1
+    with Sandbox(sandbox_root, TEST_LIMITS, limits_backend="rlimit") as sb:
+        failed = sb.run(["sh", "-c", "exit 1"])
+        grown = sb.run(["python3", "-c", GROW], timeout_s=20)
+    assert (failed.exit_status, failed.killed_reason) == (1, None), failed
+    assert grown.killed_reason == "memory_limit", grown
+    del ballast
+
+
 @pytest.mark.parametrize("script", [
     "echo MemoryError >&2; exit 1",
     "echo Killed >&2; exit 1",
