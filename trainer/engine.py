@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import socket
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -56,12 +57,17 @@ def init_distributed() -> tuple[int, int]:
     import deepspeed
 
     if not torch.distributed.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        deepspeed.init_distributed(dist_backend=backend)
+            # Alone, rendezvous through a file, not the port above: a port found free can be taken by another
+            # process before the store binds it (seen as EADDRINUSE when trainers start side by side).
+            store = Path(tempfile.mkdtemp(prefix="trajpipe-pg-")) / "store"
+            deepspeed.init_distributed(dist_backend=backend, init_method=f"file://{store}", rank=0, world_size=1)
+        else:
+            deepspeed.init_distributed(dist_backend=backend)
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
