@@ -15,6 +15,8 @@ beyond the input's size (:func:`python_memory_bound`, :func:`check_arrow_memory`
 
 from __future__ import annotations
 
+from hypothesis import strategies as st
+
 import os
 import tracemalloc
 from collections import Counter
@@ -84,3 +86,11 @@ class ArrowMemory:
 def check_arrow_memory(limit_bytes: int) -> ArrowMemory:
     """A checker of Arrow's pool high-water mark, ``limit_bytes`` above the current one."""
     return ArrowMemory(limit_bytes)
+
+
+def flip_bits(draw, buf: bytes, *, max_flips: int) -> bytes:
+    """``buf`` with 1..``max_flips`` bits flipped at positions Hypothesis draws (``draw`` of an ``st.composite``)."""
+    out = bytearray(buf)
+    for pos in draw(st.lists(st.integers(0, len(out) * 8 - 1), min_size=1, max_size=max_flips)):
+        out[pos // 8] ^= 1 << (pos % 8)
+    return bytes(out)

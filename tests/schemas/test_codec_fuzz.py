@@ -83,10 +83,7 @@ def mutated_frames(draw) -> bytes:
     kind = draw(st.sampled_from(["flip", "truncate", "splice", "header", "field", "drop", "extra", "huge",
                                  "insert", "delete", "random_body", "random"]))
     if kind == "flip":
-        buf = bytearray(frame)
-        for pos in draw(st.lists(st.integers(0, len(buf) * 8 - 1), min_size=1, max_size=8)):
-            buf[pos // 8] ^= 1 << (pos % 8)
-        return bytes(buf)
+        return fuzzing.flip_bits(draw, frame, max_flips=8)
     if kind == "truncate":
         return frame[: draw(st.integers(0, len(frame) - 1))]
     if kind == "splice":

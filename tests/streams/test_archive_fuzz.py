@@ -78,10 +78,7 @@ json_values = st.recursive(
 def _mutate_bytes(draw, buf: bytes) -> bytes:
     kind = draw(st.sampled_from(["flip", "truncate", "insert", "random"]))
     if kind == "flip":
-        out = bytearray(buf)
-        for pos in draw(st.lists(st.integers(0, len(out) * 8 - 1), min_size=1, max_size=6)):
-            out[pos // 8] ^= 1 << (pos % 8)
-        return bytes(out)
+        return fuzzing.flip_bits(draw, buf, max_flips=6)
     if kind == "truncate":
         return buf[: draw(st.integers(0, len(buf) - 1))]
     if kind == "insert":
