@@ -132,3 +132,26 @@ def test_eval_run_is_read_from_the_task_group():
     assert eval_run_of("code-d1-ab@v12#eval-v12-0011aabb.3") == "eval-v12-0011aabb"
     assert eval_run_of("code-d1-ab@v12#run7.3") == "run7"
     assert eval_run_of("") == ""
+
+
+def test_query_views_evaluations_and_pass_rates(mixed, tmp_path):
+    import shutil
+
+    from pipelines.query import register_views
+
+    out, *_ = mixed
+    con = duckdb.connect()
+    assert {"evaluations", "evaluation_pass_rates"} <= set(register_views(con, data=out))
+    assert con.execute("select count(*), sum(passed::int) from evaluations").fetchone() == (8, 5)
+    [(version, episodes, passed, rate)] = con.execute(
+        "select policy_version, sum(episodes), sum(passed), sum(passed) / sum(episodes) "
+        "from evaluation_pass_rates group by policy_version").fetchall()
+    assert (version, episodes, passed, rate) == (3, 8, 5, 5 / 8)
+    # A second dataset version (another recipe) under the same root writes its own rows: still one per episode.
+    twin = tmp_path / "two-recipes"
+    shutil.copytree(out, twin)
+    for p in (twin / "evaluations").glob("recipe=*"):
+        shutil.copytree(p, p.with_name("recipe=other-00000000"))
+    con2 = duckdb.connect()
+    register_views(con2, data=twin)
+    assert con2.execute("select count(*) from evaluations").fetchone() == (8,)
