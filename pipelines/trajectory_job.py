@@ -100,6 +100,14 @@ from pipelines.frames import (
     KeyFrames,
     shuffle_buckets,
 )
+from pipelines.feedback import (
+    FEEDBACK_TAG,
+    CorrectionError,
+    WriteFeedback,
+    committed_feedback_ids,
+    load_correction_tokenizer,
+    stage_corrections,
+)
 from pipelines.groups import DEFAULT_GROUP_TIMEOUT_S
 from pipelines.recipes import Recipe, load_recipe
 from pipelines.rewards import ComputeProcessRewards
@@ -122,6 +130,7 @@ COUNT_KEYS = (
     "incomplete_episodes", "pending_episodes",
     "groups_released", "groups_held", "groups_timed_out", "episodes_held", "episodes_excluded",
     "late_events", "episodes_completed_late", "future_events",
+    "feedback_events", "corrections", "corrections_unresolved",
 )
 _METRIC_FOR = {
     "events_in": "events_in", "episodes": "episodes_complete", "steps": "steps_written",
@@ -132,6 +141,8 @@ _METRIC_FOR = {
     "groups_timed_out": "groups_timed_out", "episodes_held": "episodes_held",
     "episodes_excluded": "episodes_excluded", "late_events": "late_events",
     "episodes_completed_late": "episodes_completed_late", "future_events": "future_events",
+    "feedback_events": "feedback_events", "corrections": "corrections", "corrections_unresolved":
+    "corrections_unresolved",
 }
 #: Seconds an event time may run ahead of the processing time before it is *future* (``--max-future-s``).
 DEFAULT_MAX_FUTURE_S = 300.0
@@ -171,6 +182,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--max-future-s", type=float, default=DEFAULT_MAX_FUTURE_S, metavar="SECONDS",
                         help="event times more than this ahead of the processing time are future: counted "
                              "(future_events) and used, never on the event-time clock")
+    parser.add_argument("--tokenizer", default=None, metavar="MODEL_DIR",
+                        help="model directory of the policy whose tokenizer turns feedback corrections into "
+                             "supervised samples (corrections/; docs/feedback.md); without it they stay in feedback/")
     parser.add_argument("--no-domain-verifiers", action="store_true",
                         help="do not re-run rollout.verifiers (keep the rollout-time verdicts and the generic checks)")
     stream = parser.add_argument_group("--mode stream")
@@ -272,6 +286,7 @@ def run_batch(
     late_retention_s: float = DEFAULT_LATE_RETENTION_S,
     max_future_s: float = DEFAULT_MAX_FUTURE_S,
     use_domain_verifiers: bool = True,
+    tokenizer: str | None = None,
     crash_at: str | None = None,
 ) -> dict[str, int]:
     """One micro-batch: recover, read the uncovered input, run the pipeline, commit.
@@ -293,6 +308,8 @@ def run_batch(
         max_future_s: event times more than this ahead of the processing time
             (:func:`processing_time_s`) are future: counted, used, never on the clock.
         use_domain_verifiers: run ``rollout.verifiers`` in VerifySteps.
+        tokenizer: model directory whose tokenizer turns corrections into ``corrections/`` samples
+            (pipelines/feedback.py; None: corrections stay in ``feedback/``, counted unresolved).
         crash_at: commit test hook (see :func:`pipelines.commit.commit_staged`).
 
     Returns:
@@ -380,7 +397,7 @@ def run_batch(
         frames = (frames, pending_in) | "AllFrames" >> beam.Flatten()
     to_assemble = {"frames": frames}
     if local is not None:
-        to_assemble.update(clock=local[CLOCK_TAG], undecided=local[UNDECIDED_TAG])
+        to_assemble.update(clock=local[CLOCK_TAG], undecided=local[UNDECIDED_TAG], feedback=local[FEEDBACK_TAG])
     assembled = to_assemble | "AssembleEpisodes" >> AssembleEpisodesFromFrames(
         incomplete_after_s=incomplete_after_s, clock_floor_s=clock_s, already_emitted=emitted, late=late,
         future_after_s=future_after_s, keep_incomplete=late_retention_s > 0,
@@ -400,9 +417,14 @@ def run_batch(
         "late": assembled[LATE_TAG],
     } | "WriteDatasets" >> WriteDatasets(staging, recipe, commit=commit, shards=shards, prior=prior.stats,
                                          held=held, group_timeout_s=group_timeout_s)
+    _ = assembled[FEEDBACK_TAG] | "WriteFeedback" >> WriteFeedback(
+        staging, recipe, commit=commit, seen=committed_feedback_ids(out, manifests))
     result = p.run()
     result.wait_until_finish()
     counts, clock_ms = _counts(result)
+    counts.update(stage_corrections(out, staging, recipe=recipe, commit=commit, manifests=manifests,
+                                    tokenizer=load_correction_tokenizer(tokenizer) if tokenizer else None,
+                                    tokenizer_name=str(tokenizer or "")))
     manifest.counts = counts
     manifest.clock_s = max(clock_s, clock_ms / 1000.0)
     manifest.late_state = carry_late_state(layout, last, staging, clock_s=manifest.clock_s,
@@ -647,7 +669,8 @@ def run_stream(
 
 def _check_accounted(counts: dict[str, int]) -> None:
     """Log an error when the counts do not reconcile (events read that no outcome counted, or counted twice)."""
-    outcomes = ("events_used", "events_incomplete", "events_pending_out", "dead_letters", "duplicates", "late_events")
+    outcomes = ("events_used", "events_incomplete", "events_pending_out", "dead_letters", "duplicates", "late_events",
+                "feedback_events")
     gap = counts["events_in"] + counts["events_pending_in"] - sum(counts[k] for k in outcomes)
     if gap:
         _LOG.error("the counts do not reconcile: %+d events read are in no outcome (lost, or counted twice if "
@@ -682,6 +705,11 @@ def run(argv: Sequence[str] | None = None, *, conn: KafkaConnection | None = Non
     args, beam_args = _parse(argv)
     _check(args)
     recipe = load_recipe(args.recipe)
+    if args.tokenizer:
+        try:  # a wrong --tokenizer is found before any Beam job runs
+            load_correction_tokenizer(args.tokenizer)
+        except CorrectionError as err:
+            raise JobError(str(err)) from err
     _LOG.info("trajectory job: %s; recipe %s = %s", vars(args), recipe.version, msgspec.to_builtins(recipe))
     kafka = None
     if args.source == "kafka":
@@ -713,7 +741,7 @@ def run(argv: Sequence[str] | None = None, *, conn: KafkaConnection | None = Non
                 runner_name=args.runner or "FnApiRunner", archive=args.archive, kafka=kafka,
                 incomplete_after_s=args.incomplete_after, shards=args.shards, group_timeout_s=args.group_timeout,
                 late_retention_s=args.late_retention, max_future_s=args.max_future_s,
-                use_domain_verifiers=not args.no_domain_verifiers,
+                use_domain_verifiers=not args.no_domain_verifiers, tokenizer=args.tokenizer,
             )
         except (KafkaError, KafkaUnavailable, StreamTimeoutError) as err:
             if not args.loop:
