@@ -66,6 +66,7 @@ __all__ = [
     "feedback_row",
     "committed_feedback_ids",
     "WriteFeedback",
+    "SplitFeedback",
     "write_feedback_file",
     "stage_corrections",
     "load_correction_tokenizer",
@@ -404,3 +405,30 @@ def stage_corrections(out: str | Path, staging: str | Path, *, recipe: Recipe, c
         _write_parquet(_rows_table(rows, correction_file_schema()), staging / (rel + _STAGED_SUFFIX))
         counts["corrections"] += len(rows)
     return counts
+
+
+class _SplitFeedbackFn(beam.DoFn):
+    def __init__(self) -> None:
+        self._dups = Metrics.counter(METRICS_NAMESPACE, "duplicates")
+
+    def process(self, fragment: tuple[str, list[Event]]) -> Iterator[Any]:
+        episode_id, events = fragment
+        rest, feedback, dups = split_feedback(events)
+        self._dups.inc(dups)
+        if rest:
+            yield episode_id, rest
+        for fb in feedback:
+            yield beam.pvalue.TaggedOutput(FEEDBACK_TAG, (fb, False))
+
+
+class SplitFeedback(beam.PTransform):
+    """``(episode_id, events)`` fragments → the same without feedback (main) and ``(Feedback, False)`` on ``feedback``.
+
+    The streaming job's split (:func:`split_feedback` before the stateful assembler): there feedback is
+    written to the pane's ``feedback/`` file (and corrections) but never attached to an episode, so a
+    stream's rewards never include it; a batch rebuild from the archive applies it (docs/feedback.md).
+    """
+
+    def expand(self, fragments):
+        return fragments | "SplitFeedback" >> beam.ParDo(_SplitFeedbackFn()).with_output_types(
+            tuple[str, list[Event]]).with_outputs(FEEDBACK_TAG, main="fragments")

@@ -103,6 +103,7 @@ from pipelines.frames import (
 from pipelines.feedback import (
     FEEDBACK_TAG,
     CorrectionError,
+    SplitFeedback,
     WriteFeedback,
     committed_feedback_ids,
     load_correction_tokenizer,
@@ -540,6 +541,7 @@ def run_stream(
     late_retention_s: float = DEFAULT_LATE_RETENTION_S,
     max_future_s: float = DEFAULT_MAX_FUTURE_S,
     use_domain_verifiers: bool = True,
+    tokenizer: str | None = None,
 ) -> dict[str, int]:
     """The streaming job: follow the topic, commit one dataset commit per event-time window pane.
 
@@ -576,6 +578,8 @@ def run_stream(
         max_future_s: a record time or event time more than this ahead of the wall clock is future:
             counted (``future_events``); a record time is clamped to it before it can move a watermark.
         use_domain_verifiers: run ``rollout.verifiers`` in VerifySteps.
+        tokenizer: model directory whose tokenizer turns corrections into samples (pipelines/feedback.py);
+            feedback in a stream is written to ``feedback/`` but never applied to rewards (docs/feedback.md).
 
     Returns:
         The job's counts (keys :data:`COUNT_KEYS`: from the pipeline's metrics; ``steps``, ``groups_held``
@@ -621,9 +625,9 @@ def run_stream(
     decoded = batches | "DecodeAndValidate" >> DecodeAndValidate(max_future_s=max_future_s)
     pending_in = (p | "PendingState" >> beam.Create(pending, reshuffle=False)
                   | "StampPending" >> beam.ParDo(_StampPendingFn(started)).with_output_types(Tuple[str, List[Event]]))
+    split = (decoded.fragments, pending_in) | "AllFragments" >> beam.Flatten() | "Feedback" >> SplitFeedback()
     assembled = (
-        (decoded.fragments, pending_in)
-        | "AllFragments" >> beam.Flatten()
+        split.fragments
         | "SkipCommitted" >> beam.ParDo(_SkipCommittedFn(frozenset(emitted))).with_output_types(
             Tuple[str, List[Event]])
         | "AssembleEpisodes" >> AssembleEpisodesStreaming(incomplete_after_s=incomplete_after_s,
@@ -637,10 +641,11 @@ def run_stream(
     _ = {
         "episodes": episodes, "incomplete": assembled[INCOMPLETE_TAG], "dead_letters": dead,
         "late": assembled[LATE_TAG], "offsets": batches | "BatchOffsets" >> beam.Map(batch_offsets),
+        "feedback": split[FEEDBACK_TAG],
     } | "CommitWindows" >> CommitWindows(out, recipe, topic=topic, window_s=window_s,
                                          allowed_lateness_s=allowed_lateness_s, shards=shards,
                                          group_timeout_s=group_timeout_s, late_retention_s=late_retention_s,
-                                         max_future_s=max_future_s)
+                                         max_future_s=max_future_s, tokenizer=tokenizer)
     _ = assembled[PENDING_TAG] | "CommitPending" >> CommitPending(out, recipe, topic=topic,
                                                                   late_retention_s=late_retention_s)
     result = p.run()
@@ -657,7 +662,10 @@ def run_stream(
     counts["commits"] = len(ours)
     # An outcome's events are written by a commit, unless the runner dropped them between the assembler and
     # the window commit (later than allowed_lateness_s): counted, not silent.
-    outcomes = ("events_used", "events_incomplete", "events_pending_out", "late_events", "dead_letters")
+    outcomes = ("events_used", "events_incomplete", "events_pending_out", "late_events", "dead_letters",
+                "feedback_events")
+    for key in ("corrections", "corrections_unresolved"):  # made by the pane writers: in the manifests only
+        counts[key] = sum(m.counts.get(key, 0) for m in ours)
     counts["events_uncommitted"] = sum(counts[k] - sum(m.counts.get(k, 0) for m in ours) for k in outcomes)
     if counts["events_uncommitted"]:
         _LOG.error("%d events the assembler counted are in no commit of this run (dropped by the runner later "
@@ -731,7 +739,7 @@ def run(argv: Sequence[str] | None = None, *, conn: KafkaConnection | None = Non
             stop_after_s=args.stop_after_s, stop_at_end=args.stop_at_end, stop_file=args.stop_file,
             shards=args.shards, group_timeout_s=args.group_timeout,
             late_retention_s=args.late_retention, max_future_s=args.max_future_s,
-            use_domain_verifiers=not args.no_domain_verifiers,
+            use_domain_verifiers=not args.no_domain_verifiers, tokenizer=args.tokenizer,
         )
     total = dict.fromkeys(COUNT_KEYS, 0)
     while True:

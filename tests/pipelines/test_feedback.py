@@ -219,3 +219,48 @@ def test_corrections_become_samples_with_the_recorded_context(tmp_path):
     joined = con.sql("select t.episode_id, t.outcome_reward, f.correction from trajectories t join feedback f "
                      "using (episode_id)").fetchall()
     assert joined == [(eps[0][0].episode_id, eps[0][-1].outcome_reward, "x = 4")]
+
+
+@pytest.mark.integration
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_stream_writes_feedback_once_and_never_into_an_episode(kafka_broker, topic_name, tmp_path):
+    """--mode stream: feedback is split before the stateful assembler: episodes stay complete, the pane
+    commits write each feedback once (a copy in the same or a later run is a duplicate), rewards ignore it."""
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    from pipelines.trajectory_job import run
+    from streams.config import KafkaConnection
+    from streams.producer import EventProducer
+
+    conn = KafkaConnection(bootstrap_servers=kafka_broker.bootstrap, client_id="test-stream-feedback")
+    admin = KafkaAdminClient(**conn.client_kwargs())
+    try:
+        admin.create_topics([NewTopic(topic_name, 2, 1)])
+    finally:
+        admin.close()
+
+    def produce(events):
+        with EventProducer(conn, topic_name, spool_dir=tmp_path / "spool") as producer:
+            for ev in events:
+                producer.emit(ev)
+            assert producer.flush().spooled == 0
+
+    eps = _judged(3, seed=17)
+    fb = _fb(eps[0], rating=0.0)
+    produce(flat(eps) + [fb, fb])
+    out = tmp_path / "out"
+    recipe = tmp_path / "ovr.yaml"
+    recipe.write_text("# trajpipe pipeline run --mode stream --recipe ovr.yaml\nname: ovr\nfeedback: override\n")
+    args = ["--source", "kafka", "--bootstrap", kafka_broker.bootstrap, "--topic", topic_name, "--out", str(out),
+            "--mode", "stream", "--window-s", "2", "--incomplete-after", "600", "--idle-watermark-lag-s", "1",
+            "--stop-at-end", "--recipe", str(recipe)]
+    c1 = run(args)
+    assert (c1["episodes"], c1["feedback_events"], c1["duplicates"], c1["incomplete_episodes"]) == (3, 1, 1, 0), c1
+    assert _reconciles(c1) and c1["events_uncommitted"] == 0
+    produce([msgspec.structs.replace(fb, producer_id="retry")])
+    c2 = run(args)
+    assert (c2["feedback_events"], c2["duplicates"]) == (0, 1) and _reconciles(c2), c2
+    rows = _table(out, "feedback")
+    assert [(r["event_id"], r["applied"]) for r in rows] == [(fb.event_id, False)]
+    ret = _returns(out)
+    assert ret[eps[0][0].episode_id][0] == pytest.approx(eps[0][-1].outcome_reward)  # not applied in a stream

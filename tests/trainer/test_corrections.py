@@ -25,8 +25,10 @@ from trainer.data import TrajectoryLoader, TrajectoryStream
 CORRECTION = "the answer is 4"
 
 
-def _dataset(tmp_path: Path, tiny_model: Path, vocab_size: int) -> tuple[Path, list[dict]]:
+@pytest.fixture(scope="module")
+def corrections_data(tiny_model: Path, vocab_size: int, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     """A dataset version with 12 synthetic episodes and a correction of step 1 of the first two with 2+ steps."""
+    tmp_path = tmp_path_factory.mktemp("corrections")
     eps = [[msgspec.structs.replace(e, group_size=0) if e.event_type == "episode_started" else e for e in ep]
            for ep in generate_episodes(12, seed=3, vocab_size=vocab_size)]
     targets = [ep for ep in eps if sum(isinstance(e, Step) for e in ep) >= 2][:2]
@@ -49,8 +51,8 @@ def _dataset(tmp_path: Path, tiny_model: Path, vocab_size: int) -> tuple[Path, l
     return out, rows
 
 
-def test_stream_reads_corrections_only_when_asked(tiny_model, vocab_size, tmp_path):
-    data, rows = _dataset(tmp_path, tiny_model, vocab_size)
+def test_stream_reads_corrections_only_when_asked(corrections_data):
+    data, rows = corrections_data
     want = {r["episode_id"]: r for r in rows}
     got = {}
     for b in TrajectoryLoader(TrajectoryStream(data, seq_len=2048, batch_size=4, tables=("corrections",))):
@@ -88,21 +90,21 @@ def _target_logprob(model_dir: Path, prompt: list[int], target: list[int]) -> fl
 
 
 @pytest.mark.slow
-def test_bc_on_corrections_raises_their_logprob(tiny_model, vocab_size, tmp_path):
+def test_bc_on_corrections_raises_their_logprob(tiny_model, corrections_data, tmp_path):
     from trajpipe.cli import app
 
-    data, rows = _dataset(tmp_path, tiny_model, vocab_size)
+    data, rows = corrections_data
     cfg = tmp_path / "bc-corrections.yaml"
     cfg.write_text("# trajpipe train --config bc-corrections.yaml --data D --model M --out O\n" + yaml.safe_dump({
         "objective": {"name": "bc", "min_advantage": 0.0},
         "data": {"corrections": "only", "seq_len": 2048, "batch_size": 2, "num_workers": 0, "max_epochs": 100},
-        "optim": {"lr": 3e-3}, "engine": {"zero_stage": 0}, "publish": {"every": 15}}))
+        "optim": {"lr": 3e-3}, "engine": {"zero_stage": 0}, "publish": {"every": 10}}))
     out = tmp_path / "bc"
     res = CliRunner().invoke(app, ["train", "--data", str(data), "--model", str(tiny_model), "--out", str(out),
-                                   "--max-steps", "15", "--config", str(cfg)])
+                                   "--max-steps", "10", "--config", str(cfg)])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.output.strip().splitlines()[-1])
-    assert summary["steps"] == 15
+    assert summary["steps"] == 10
     policy = max((out / "policies").iterdir(), key=lambda p: int(p.name[1:]))
     for r in rows:
         before = _target_logprob(tiny_model, r["observation_token_ids"], r["action_token_ids"])
