@@ -181,6 +181,7 @@ def test_feedback_on_an_unknown_or_open_episode_is_kept_and_the_episode_waits(tm
     assert set(rows) == {ep[0].episode_id, "no-such-episode"} and not any(r["applied"] for r in rows.values())
 
 
+@pytest.mark.slow  # builds the tiny model (its tokenizer)
 def test_corrections_become_samples_with_the_recorded_context(tmp_path):
     from rollout.model import init_tiny_model
     from transformers import AutoTokenizer

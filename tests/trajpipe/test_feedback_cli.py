@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from tests.pipelines.helpers import episodes, write_archive
+from trajpipe.cli import app
 
 REPO = Path(__file__).resolve().parents[2]
 NO_BROKER = ["--bootstrap", "127.0.0.1:1"]
@@ -38,13 +40,24 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_feedback_errors(case, archive, tmp_path):
+def test_feedback_errors(case, archive, tmp_path, monkeypatch):
+    monkeypatch.delenv("TRAJPIPE_DEBUG", raising=False)
+    monkeypatch.delenv("TRAJPIPE_CONFIG", raising=False)
     root, episode = archive
     args, needle = CASES[case]
     args = [a.format(archive=root, episode=episode, missing=tmp_path / "missing") for a in args]
-    proc = subprocess.run([sys.executable, "-m", "trajpipe", "feedback", *args, *NO_BROKER], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    res = CliRunner().invoke(app, ["feedback", *args, *NO_BROKER])
+    lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.exit_code == 2 and len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
     assert needle in lines[0], lines[0]
-    assert proc.stdout == ""
+    assert res.stdout == ""
+
+
+def test_feedback_from_the_console_script_is_one_line(archive):
+    root, _ = archive
+    proc = subprocess.run([sys.executable, "-m", "trajpipe", "feedback", "--episode", "nope", "--score", "1",
+                           "--archive", str(root), *NO_BROKER], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: episode 'nope' is in neither - (--data) nor {root} (--archive); check the id, or give "
+        "`--domain`, `--task-id` and `--policy-version`"], proc.stderr
