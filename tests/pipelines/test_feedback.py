@@ -265,3 +265,4 @@ def test_stream_writes_feedback_once_and_never_into_an_episode(kafka_broker, top
     assert [(r["event_id"], r["applied"]) for r in rows] == [(fb.event_id, False)]
     ret = _returns(out)
     assert ret[eps[0][0].episode_id][0] == pytest.approx(eps[0][-1].outcome_reward)  # not applied in a stream
+

@@ -98,13 +98,13 @@ def test_bc_on_corrections_raises_their_logprob(tiny_model, corrections_data, tm
     cfg.write_text("# trajpipe train --config bc-corrections.yaml --data D --model M --out O\n" + yaml.safe_dump({
         "objective": {"name": "bc", "min_advantage": 0.0},
         "data": {"corrections": "only", "seq_len": 2048, "batch_size": 2, "num_workers": 0, "max_epochs": 100},
-        "optim": {"lr": 3e-3}, "engine": {"zero_stage": 0}, "publish": {"every": 10}}))
+        "optim": {"lr": 3e-3}, "engine": {"zero_stage": 0}, "publish": {"every": 5}}))
     out = tmp_path / "bc"
     res = CliRunner().invoke(app, ["train", "--data", str(data), "--model", str(tiny_model), "--out", str(out),
-                                   "--max-steps", "10", "--config", str(cfg)])
+                                   "--max-steps", "5", "--config", str(cfg)])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.output.strip().splitlines()[-1])
-    assert summary["steps"] == 10
+    assert summary["steps"] == 5
     policy = max((out / "policies").iterdir(), key=lambda p: int(p.name[1:]))
     for r in rows:
         before = _target_logprob(tiny_model, r["observation_token_ids"], r["action_token_ids"])
