@@ -48,7 +48,9 @@ counted, used, never on the event-time clock::
 The last line printed is one JSON object of counts (stream mode adds
 ``commits``), which reconcile as
 ``events_in + events_pending_in == events_used + events_incomplete
-+ events_pending_out + dead_letters + duplicates + late_events`` (held groups are events
++ events_pending_out + dead_letters + duplicates + late_events + feedback_events``
+(``feedback_events``: feedback rows written, pipelines/feedback.py; ``corrections`` and
+``corrections_unresolved`` count what became of the corrections among them) (held groups are events
 already used, held as rows: ``groups_held``/``episodes_held`` are what is held
 after the run, ``groups_released`` what it wrote, ``episodes_excluded`` the
 complete episodes it found untrainable; ``episodes_completed_late`` and
