@@ -405,7 +405,8 @@ class ReadArchiveEpisodes(beam.PTransform):
 
     Returns:
         A ``DoOutputsTuple``: ``episodes`` (complete :class:`~pipelines.types.Episode` s),
-        ``undecided`` (with the outcomes of late events), ``clock``, ``frames`` and ``dead_letters``. Counters as
+        ``undecided`` (with the outcomes of late events), ``clock``, ``frames``, ``dead_letters`` and
+        ``feedback`` (``(Feedback, attached)``, pipelines/feedback.py). Counters as
         ``pipeline/events_in``, ``pipeline/dead_letters``, ``pipeline/archive_files_read``,
         ``pipeline/episodes_assembled_locally``.
     """
@@ -420,6 +421,7 @@ class ReadArchiveEpisodes(beam.PTransform):
         self._late, self._future_after = late, future_after_s
 
     def expand(self, pbegin):
+        from pipelines.feedback import FEEDBACK_TAG
         from pipelines.frames import CLOCK_TAG, UNDECIDED_TAG
         from pipelines.types import Episode
 
@@ -430,5 +432,5 @@ class ReadArchiveEpisodes(beam.PTransform):
             | "ReadAndAssemble" >> beam.ParDo(_ReadFileLocalFn(
                 self._split, self._already, self._buckets, late=self._late, future_after_s=self._future_after)
             ).with_output_types(Episode).with_outputs(DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG, FRAMES_TAG,
-                                                      main="episodes")
+                                                      FEEDBACK_TAG, main="episodes")
         )

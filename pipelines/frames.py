@@ -57,6 +57,7 @@ from pipelines.assemble import (
     resolve_late,
 )
 from pipelines.decode import record_dead_letter, validate_event
+from pipelines.feedback import FEEDBACK_TAG, split_feedback
 from pipelines.gcpause import gc_paused
 from pipelines.late import LATE_TAG, LateEpisode, LateState, LateStateReader
 from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE, Episode, RawRecords
@@ -276,6 +277,20 @@ class EpisodeAssembler:
         latest = self._clock_time(events)
         if latest is not None and (self._latest is None or latest > self._latest):
             self._latest = latest
+        # Feedback is outside the episode's seq (pipelines/feedback.py): out first, attached to the episode only
+        # if it is assembled complete here, and always on the feedback output.
+        events, feedback, dups = split_feedback(events)
+        if dups:
+            self._c["duplicates"].inc(dups)
+        attached = False
+        for out in self._episode(episode_id, events) if events else ():
+            if feedback and isinstance(out, Episode):
+                out, attached = msgspec.structs.replace(out, feedback=feedback), True
+            yield out
+        for fb in feedback:
+            yield beam.pvalue.TaggedOutput(FEEDBACK_TAG, (fb, attached))
+
+    def _episode(self, episode_id: str, events: list[Event]) -> Iterator[Any]:
         if episode_id in self._already:  # re-delivered events of an episode an earlier commit emitted
             self._c["duplicates"].inc(len(events))
             return
@@ -390,7 +405,7 @@ class AssembleFromFrames(beam.PTransform):
     def expand(self, grouped):
         return grouped | "DecodeAssemble" >> beam.ParDo(
             _AssembleFromFramesFn(self._already, self._max, late=self._late, future_after_s=self._future_after)
-        ).with_output_types(Episode).with_outputs(DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG,
+        ).with_output_types(Episode).with_outputs(DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG, FEEDBACK_TAG,
                                                   main="episodes")
 
 
@@ -419,8 +434,9 @@ class AssembleEpisodesFromFrames(beam.PTransform):
         keep_incomplete: put the events of episodes decided incomplete on ``late``.
 
     Returns:
-        ``{"episodes", "pending", "incomplete", "late", "dead_letters", "clock"}``; ``clock``
-        is the run's event-time clock, one float (epoch seconds).
+        ``{"episodes", "pending", "incomplete", "late", "dead_letters", "clock", "feedback"}``; ``clock``
+        is the run's event-time clock, one float (epoch seconds); ``feedback`` the ``(Feedback, attached)``
+        pairs of the shuffled and (input ``feedback``) the local assembly (pipelines/feedback.py).
     """
 
     def __init__(self, *, incomplete_after_s: float = 3600.0, clock_floor_s: float = 0.0,
@@ -443,11 +459,14 @@ class AssembleEpisodesFromFrames(beam.PTransform):
                                                          future_after_s=self._future_after)
         )
         clocks, undecided = [assembled[CLOCK_TAG]], [assembled[UNDECIDED_TAG]]
+        feedback = assembled[FEEDBACK_TAG]
         if "clock" in inputs:
             clocks.append(inputs["clock"])
             undecided.append(inputs["undecided"])
             clocks = tuple(clocks) | "AllClocks" >> beam.Flatten()
             undecided = tuple(undecided) | "AllUndecided" >> beam.Flatten()
+            if "feedback" in inputs:
+                feedback = (feedback, inputs["feedback"]) | "AllFeedback" >> beam.Flatten()
         else:
             clocks, undecided = clocks[0], undecided[0]
         clock = clocks | "Clock" >> beam.CombineGlobally(lambda ts: max([floor, *ts]))
@@ -463,4 +482,5 @@ class AssembleEpisodesFromFrames(beam.PTransform):
             LATE_TAG: decided[LATE_TAG],
             DEAD_LETTER_TAG: assembled[DEAD_LETTER_TAG],
             CLOCK_TAG: clock,
+            FEEDBACK_TAG: feedback,
         }

@@ -17,6 +17,11 @@ Views (each only if its directory exists):
   ``difficulty``: episodes, passed, ``pass_rate``, ``mean_reward``, mean
   tokens. Aborted episodes (stopped by a shutdown) are not attempts and are
   left out; ``error``/``timeout`` ones count as not passed.
+* ``feedback`` — ratings and corrections given with ``trajpipe feedback``, one
+  row per feedback event and dataset version (``applied``: the version's
+  rewards took it; pipelines/feedback.py, docs/feedback.md).
+* ``corrections`` — corrections turned into supervised samples (prompt = the
+  recorded context of the corrected step, target = the correction's tokens).
 
 Only committed files are read: the archive's are listed from its manifests;
 the datasets' final files only ever appear after their commit (atomic rename).
@@ -70,7 +75,8 @@ def register_views(
             created.append("events")
     if data is not None:
         for name, sub in (("steps", "steps"), ("trajectories", "trajectories"),
-                          ("dataset_dead_letters", "dead_letters"), ("late_events", "late_events")):
+                          ("dataset_dead_letters", "dead_letters"), ("late_events", "late_events"),
+                          ("feedback", "feedback"), ("corrections", "corrections")):
             root = Path(data) / sub
             if any(root.glob("**/*.parquet")):
                 glob = str(root / "**" / "*.parquet").replace("'", "''")

@@ -68,6 +68,25 @@ Per step ``t`` of a judged episode with ``T`` steps and outcome reward ``R``
   ``R_i`` is the episode return ``G_0`` and the group is the episode's
   complete GRPO group (:mod:`pipelines.groups`), trainable members only.
 
+Feedback (``trajpipe feedback --score``; :mod:`pipelines.feedback`, docs/feedback.md).
+With ``F`` the mean rating of the episode-level feedback the episode carries
+(``target_step`` None) and ``f_t`` the mean rating of the feedback on step
+``t`` (0 if none), by :attr:`Recipe.feedback`:
+
+  - ``ignore`` (default): ratings change nothing; they are only data.
+  - ``override``: the outcome ``R`` in the formulas above is replaced by ``F``
+    when the episode has an episode-level rating (a person's verdict takes
+    precedence over the verifier's), and ``r_t += w_f * f_t``.
+  - ``add``: ``R`` becomes ``R + w_f * F`` (``F = 0`` without an episode rating)
+    and ``r_t += w_f * f_t``.
+
+  The step term is a reward, not a potential-based shaping: it changes the
+  episode's return (Ng et al. 1999 shaping, above, does not). It is added
+  before the clip to ``[reward_min, reward_max]``. Whether an episode is
+  trainable does not change: an episode cut off by the infrastructure stays
+  excluded whatever its rating. Feedback counts only where the episode is
+  assembled with it (docs/feedback.md, "When feedback counts").
+
 Examples:
     >>> import numpy as np
     >>> r = step_rewards(load_recipe("outcome"), outcome=1.0, step_scores=np.array([0.0, 0.0, 0.0]))
@@ -136,6 +155,11 @@ class Recipe(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=Tr
         eps: added to the standard deviation when normalizing.
         max_steps: ClipTrajectories step cap per trajectory (0: none).
         max_action_tokens: ClipTrajectories cap on action tokens per trajectory (0: none).
+        feedback: how ratings of ``feedback`` events (``trajpipe feedback --score``) enter the rewards:
+            ``ignore`` (default), ``override`` (an episode rating replaces the verifier outcome) or
+            ``add`` (it is added to it, weighted); see "Feedback" in the module docstring.
+        feedback_weight: ``w_f``, weight of what feedback adds (``add``'s episode rating, and
+            step ratings under ``override`` and ``add``).
     """
 
     name: str
@@ -155,6 +179,8 @@ class Recipe(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=Tr
     eps: float = 1e-6
     max_steps: int = 0
     max_action_tokens: int = 0
+    feedback: Literal["ignore", "override", "add"] = "ignore"
+    feedback_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name or "=" in self.name:
@@ -169,6 +195,8 @@ class Recipe(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=Tr
             raise RecipeError("`max_steps` and `max_action_tokens` must be >= 0 (0 disables the cap)")
         if self.eps <= 0:
             raise RecipeError(f"`eps` must be > 0, got {self.eps}")
+        if not self.feedback_weight >= 0 or self.feedback_weight == float("inf"):
+            raise RecipeError(f"`feedback_weight` must be finite and >= 0, got {self.feedback_weight}")
         if self.reward in ("verification_shaped", "prm"):
             self._check_shaping()
 
@@ -199,8 +227,16 @@ class Recipe(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=Tr
 
     @property
     def content_hash(self) -> str:
-        """sha256 (hex) of the canonical JSON of all fields (sorted keys)."""
-        return hashlib.sha256(msgspec.json.encode(self, order="sorted")).hexdigest()
+        """sha256 (hex) of the canonical JSON of all fields (sorted keys).
+
+        The feedback fields enter only when they are not at their defaults, so
+        recipes written before they existed keep their dataset versions.
+        """
+        fields = msgspec.to_builtins(self)
+        if self.feedback == "ignore" and self.feedback_weight == 1.0:
+            fields.pop("feedback")
+            fields.pop("feedback_weight")
+        return hashlib.sha256(msgspec.json.encode(fields, order="sorted")).hexdigest()
 
     @property
     def version(self) -> str:
@@ -257,14 +293,16 @@ def step_rewards(
     outcome: float,
     step_scores: np.ndarray,
     prm_scores: np.ndarray | None = None,
+    step_feedback: np.ndarray | None = None,
 ) -> np.ndarray:
     """Per-step rewards ``r_t`` (float64, shape ``[T]``) of one judged episode (module docstring).
 
     Args:
         recipe: the recipe.
-        outcome: the outcome reward ``R``.
+        outcome: the outcome reward ``R`` (after feedback: :func:`pipelines.feedback.feedback_outcome`).
         step_scores: ``s_t``, the weighted verification score of each step.
         prm_scores: the PRM's score of each step (``prm`` recipes), in [0, 1].
+        step_feedback: ``w_f * f_t``, the feedback term of each step (added before the clip; None: none).
 
     Raises:
         RecipeError: the PRM returned the wrong number of scores, or scores outside [0, 1].
@@ -290,6 +328,8 @@ def step_rewards(
             r += w * sigma
         r -= recipe.step_penalty
     r[-1] += recipe.outcome_weight * outcome
+    if step_feedback is not None:
+        r += np.asarray(step_feedback, dtype=np.float64)
     if recipe.reward_min is not None or recipe.reward_max is not None:
         r = np.clip(r, recipe.reward_min, recipe.reward_max)
     return r

@@ -25,6 +25,7 @@ import msgspec
 import numpy as np
 from apache_beam.metrics import Metrics
 
+from pipelines.feedback import feedback_outcome, step_feedback_terms
 from pipelines.recipes import Recipe, discounted_returns, gae_advantages, load_prm, step_rewards
 from pipelines.types import METRICS_NAMESPACE, Episode
 from schemas.datasets import Verification
@@ -57,7 +58,8 @@ def step_passed(verdicts: list[Verification]) -> bool:
 def annotate_rewards(episode: Episode, recipe: Recipe, prm=None) -> Episode:
     """A copy of ``episode`` with ``rewards``, ``returns`` and ``advantages`` set (see pipelines.recipes).
 
-    An episode that is not trainable gets zeros (no verdict, no credit).
+    An episode that is not trainable gets zeros (no verdict, no credit). Ratings of the feedback attached
+    to it enter per the recipe's ``feedback`` (:mod:`pipelines.recipes`, "Feedback").
     """
     T = len(episode.steps)
     masks = [np.ones(len(s.action_token_ids), dtype=bool) for s in episode.steps]
@@ -65,10 +67,12 @@ def annotate_rewards(episode: Episode, recipe: Recipe, prm=None) -> Episode:
         zeros = np.zeros(T, dtype=np.float64)
         return msgspec.structs.replace(episode, rewards=zeros, returns=zeros.copy(), advantages=zeros.copy(),
                                        loss_masks=masks)
-    outcome = episode.finished.outcome_reward
+    # Feedback attached to the episode (pipelines/feedback.py) per the recipe's `feedback` precedence.
+    outcome = feedback_outcome(recipe, episode.finished.outcome_reward, episode.feedback)
+    fb_terms = step_feedback_terms(recipe, episode.feedback, [s.step_index for s in episode.steps])
     scores = step_scores(episode.verdicts, recipe.verifier_weights)
     prm_scores = np.asarray(prm(episode), dtype=np.float64) if prm is not None else None
-    r = step_rewards(recipe, outcome=outcome, step_scores=scores, prm_scores=prm_scores)
+    r = step_rewards(recipe, outcome=outcome, step_scores=scores, prm_scores=prm_scores, step_feedback=fb_terms)
     G = discounted_returns(r, gamma=recipe.gamma)
     A = gae_advantages(r, gamma=recipe.gamma, lam=recipe.lam)
     return msgspec.structs.replace(episode, rewards=r, returns=G, advantages=A, loss_masks=masks)

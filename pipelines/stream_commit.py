@@ -79,7 +79,7 @@ from pipelines.types import METRICS_NAMESPACE, RawRecords
 __all__ = ["CommitWindows", "CommitPending", "batch_offsets", "merge_offsets"]
 
 #: Keys of a window pane's grouped elements.
-_PARTS = ("episodes", "incomplete", "evaluations", "dead_letters", "late", "offsets")
+_PARTS = ("episodes", "incomplete", "evaluations", "dead_letters", "late", "offsets", "feedback")
 
 
 def batch_offsets(batch: RawRecords) -> tuple[int, int, int, int]:
@@ -101,8 +101,11 @@ class _CommitPaneFn(beam.DoFn):
 
     def __init__(self, out: str, recipe: Recipe, *, topic: str, shards: int,
                  group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
-                 late_retention_s: float = DEFAULT_LATE_RETENTION_S, max_future_s: float = math.inf) -> None:
+                 late_retention_s: float = DEFAULT_LATE_RETENTION_S, max_future_s: float = math.inf,
+                 tokenizer: str | None = None) -> None:
         self._out, self._recipe, self._topic, self._shards = out, recipe, topic, shards
+        self._tokenizer_dir = tokenizer
+        self._feedback = {k: Metrics.counter(METRICS_NAMESPACE, k) for k in ("feedback_events", "duplicates")}
         self._timeout_s, self._retention_s, self._max_future_s = group_timeout_s, late_retention_s, max_future_s
         self._layout = DatasetLayout(out=out, version=recipe.version, recipe_hash=recipe.content_hash)
         self._complete: set[str] = set()  # episode ids committed complete
@@ -124,6 +127,25 @@ class _CommitPaneFn(beam.DoFn):
         new = committed_episodes(self._layout, manifests)
         self._complete |= new.complete
         self._incomplete |= new.incomplete
+
+    def setup(self) -> None:
+        from pipelines.feedback import load_correction_tokenizer
+
+        self._tokenizer = load_correction_tokenizer(self._tokenizer_dir) if self._tokenizer_dir else None
+
+    def _stage_feedback(self, items: list, n: int, manifests: list[DatasetManifest]) -> dict[str, int]:
+        """The pane's feedback file and corrections (pipelines/feedback.py); never applied to rewards here."""
+        from pipelines.feedback import committed_feedback_ids, stage_corrections, write_feedback_file
+
+        layout = self._layout
+        _, written, dups = write_feedback_file(items, layout.staging(n), recipe=self._recipe, commit=n,
+                                               seen=committed_feedback_ids(layout.out, manifests))
+        self._feedback["feedback_events"].inc(written)
+        self._feedback["duplicates"].inc(dups)
+        corrections = stage_corrections(layout.out, layout.staging(n), recipe=self._recipe, commit=n,
+                                        manifests=manifests, tokenizer=self._tokenizer,
+                                        tokenizer_name=self._tokenizer_dir or "")
+        return {"feedback_events": written, "feedback_duplicates": dups, **corrections}
 
     def process(self, element: tuple[Any, dict[str, Iterable[Any]]], win=beam.DoFn.WindowParam,
                 pane=beam.DoFn.PaneInfoParam) -> Iterator[int]:
@@ -155,7 +177,7 @@ class _CommitPaneFn(beam.DoFn):
             # Events kept for an incomplete episode go with its row; a completion's late events with its row.
             late = [i for i in got["late"] if not (i.reason is None and i.episode_id in seen)
                     and not (i.reason == "completed" and i.episode_id in emitted)]
-            if not (complete or incomplete or evals or pending or dead or late):
+            if not (complete or incomplete or evals or pending or dead or late or got["feedback"]):
                 self._carried += got["offsets"]  # only open episodes' records, or a replayed pane
                 return None
             offsets, self._carried = self._carried + got["offsets"], []
@@ -170,6 +192,7 @@ class _CommitPaneFn(beam.DoFn):
                                  evaluations=evals, pending=pending, dead_letters=dead, late=late, prior=prior.stats,
                                  held=held if is_window else None, clock_s=clock_s,
                                  group_timeout_s=self._timeout_s, shards=self._shards)
+            feedback = self._stage_feedback(got["feedback"], n, manifests)
             # Steps written: this pane's released groups plus the held members released with them.
             steps = sum(pq.ParquetFile(layout.staging(n) / (f + STAGED_SUFFIX)).metadata.num_rows
                         for f in staged.files if f.startswith("steps/"))
@@ -187,7 +210,7 @@ class _CommitPaneFn(beam.DoFn):
                 "late_events": sum(len(i.late) for i in late),
                 "episodes_completed_late": len(complete) + len(eval_done) - len(fresh),
                 "evaluations": len(eval_done),
-                **staged.counts,
+                **staged.counts, **feedback,
             }
             for k, c in self._groups.items():
                 c.inc(staged.counts.get(k, 0))
@@ -218,8 +241,9 @@ class CommitWindows(beam.PTransform):
     Input: a dict of PCollections — ``episodes`` (complete, rewarded and
     clipped, not yet normalized), ``incomplete`` (Episodes), ``evaluations``
     (evaluation episodes, complete or not: pipelines/evaluations.py), ``dead_letters``
-    (DeadLetter), ``late`` (:class:`~pipelines.late.LateEpisode`) and
-    ``offsets`` (:func:`batch_offsets` of every source batch).
+    (DeadLetter), ``late`` (:class:`~pipelines.late.LateEpisode`),
+    ``offsets`` (:func:`batch_offsets` of every source batch) and ``feedback``
+    (``(Feedback, attached)``: a pane's feedback file and corrections, pipelines/feedback.py).
 
     Args:
         out: the dataset root (a filesystem every worker shares).
@@ -233,6 +257,7 @@ class CommitWindows(beam.PTransform):
         late_retention_s: event-time seconds the late state keeps an incomplete episode's events.
         max_future_s: an episode's last event time counts on a commit's clock at most this far
             ahead of the wall clock at the commit.
+        tokenizer: model directory whose tokenizer turns corrections into samples (pipelines/feedback.py).
 
     Returns:
         PCollection of the commit numbers made.
@@ -241,7 +266,8 @@ class CommitWindows(beam.PTransform):
     def __init__(self, out: str | Path, recipe: Recipe, *, topic: str, window_s: float = 10.0,
                  allowed_lateness_s: float = 3600.0, shards: int = 1,
                  group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
-                 late_retention_s: float = DEFAULT_LATE_RETENTION_S, max_future_s: float = math.inf) -> None:
+                 late_retention_s: float = DEFAULT_LATE_RETENTION_S, max_future_s: float = math.inf,
+                 tokenizer: str | None = None) -> None:
         super().__init__()
         if window_s <= 0 or allowed_lateness_s < 0 or shards < 1 or group_timeout_s < 0:
             raise ValueError("`window_s` must be > 0, `allowed_lateness_s` and `group_timeout_s` >= 0 and "
@@ -249,10 +275,13 @@ class CommitWindows(beam.PTransform):
         self._out, self._recipe, self._topic = str(out), recipe, topic
         self._window_s, self._lateness_s, self._shards = window_s, allowed_lateness_s, shards
         self._timeout_s, self._retention_s, self._max_future_s = group_timeout_s, late_retention_s, max_future_s
+        self._tokenizer = tokenizer
 
     def expand(self, pcolls: dict[str, beam.PCollection]):
         windowed = {}
         for name in _PARTS:
+            if name == "feedback" and name not in pcolls:  # optional: a job that splits out no feedback
+                continue
             windowed[name] = (
                 pcolls[name]
                 | f"Window{name.title()}" >> beam.WindowInto(
@@ -269,7 +298,7 @@ class CommitWindows(beam.PTransform):
             | "CommitPane" >> beam.ParDo(_CommitPaneFn(self._out, self._recipe, topic=self._topic,
                                                        shards=self._shards, group_timeout_s=self._timeout_s,
                                                        late_retention_s=self._retention_s,
-                                                       max_future_s=self._max_future_s))
+                                                       max_future_s=self._max_future_s, tokenizer=self._tokenizer))
         )
 
 

@@ -49,7 +49,9 @@ counted, used, never on the event-time clock::
 The last line printed is one JSON object of counts (stream mode adds
 ``commits``), which reconcile as
 ``events_in + events_pending_in == events_used + events_incomplete
-+ events_pending_out + dead_letters + duplicates + late_events`` (held groups are events
++ events_pending_out + dead_letters + duplicates + late_events + feedback_events``
+(``feedback_events``: feedback rows written, pipelines/feedback.py; ``corrections`` and
+``corrections_unresolved`` count what became of the corrections among them) (held groups are events
 already used, held as rows: ``groups_held``/``episodes_held`` are what is held
 after the run, ``groups_released`` what it wrote, ``episodes_excluded`` the
 complete episodes it found untrainable; ``episodes_completed_late`` and
@@ -104,6 +106,15 @@ from pipelines.frames import (
     KeyFrames,
     shuffle_buckets,
 )
+from pipelines.feedback import (
+    FEEDBACK_TAG,
+    CorrectionError,
+    SplitFeedback,
+    WriteFeedback,
+    committed_feedback_ids,
+    load_correction_tokenizer,
+    stage_corrections,
+)
 from pipelines.groups import DEFAULT_GROUP_TIMEOUT_S
 from pipelines.recipes import Recipe, load_recipe
 from pipelines.rewards import ComputeProcessRewards
@@ -126,6 +137,7 @@ COUNT_KEYS = (
     "incomplete_episodes", "pending_episodes",
     "groups_released", "groups_held", "groups_timed_out", "episodes_held", "episodes_excluded",
     "late_events", "episodes_completed_late", "future_events", "evaluations",
+    "feedback_events", "corrections", "corrections_unresolved",
 )
 _METRIC_FOR = {
     "events_in": "events_in", "episodes": "episodes_complete", "steps": "steps_written",
@@ -137,6 +149,8 @@ _METRIC_FOR = {
     "episodes_excluded": "episodes_excluded", "late_events": "late_events",
     "episodes_completed_late": "episodes_completed_late", "future_events": "future_events",
     "evaluations": "evaluations",
+    "feedback_events": "feedback_events", "corrections": "corrections", "corrections_unresolved":
+    "corrections_unresolved",
 }
 #: Seconds an event time may run ahead of the processing time before it is *future* (``--max-future-s``).
 DEFAULT_MAX_FUTURE_S = 300.0
@@ -176,6 +190,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--max-future-s", type=float, default=DEFAULT_MAX_FUTURE_S, metavar="SECONDS",
                         help="event times more than this ahead of the processing time are future: counted "
                              "(future_events) and used, never on the event-time clock")
+    parser.add_argument("--tokenizer", default=None, metavar="MODEL_DIR",
+                        help="model directory of the policy whose tokenizer turns feedback corrections into "
+                             "supervised samples (corrections/; docs/feedback.md); without it they stay in feedback/")
     parser.add_argument("--no-domain-verifiers", action="store_true",
                         help="do not re-run rollout.verifiers (keep the rollout-time verdicts and the generic checks)")
     stream = parser.add_argument_group("--mode stream")
@@ -277,6 +294,7 @@ def run_batch(
     late_retention_s: float = DEFAULT_LATE_RETENTION_S,
     max_future_s: float = DEFAULT_MAX_FUTURE_S,
     use_domain_verifiers: bool = True,
+    tokenizer: str | None = None,
     crash_at: str | None = None,
 ) -> dict[str, int]:
     """One micro-batch: recover, read the uncovered input, run the pipeline, commit.
@@ -298,6 +316,8 @@ def run_batch(
         max_future_s: event times more than this ahead of the processing time
             (:func:`processing_time_s`) are future: counted, used, never on the clock.
         use_domain_verifiers: run ``rollout.verifiers`` in VerifySteps.
+        tokenizer: model directory whose tokenizer turns corrections into ``corrections/`` samples
+            (pipelines/feedback.py; None: corrections stay in ``feedback/``, counted unresolved).
         crash_at: commit test hook (see :func:`pipelines.commit.commit_staged`).
 
     Returns:
@@ -385,7 +405,7 @@ def run_batch(
         frames = (frames, pending_in) | "AllFrames" >> beam.Flatten()
     to_assemble = {"frames": frames}
     if local is not None:
-        to_assemble.update(clock=local[CLOCK_TAG], undecided=local[UNDECIDED_TAG])
+        to_assemble.update(clock=local[CLOCK_TAG], undecided=local[UNDECIDED_TAG], feedback=local[FEEDBACK_TAG])
     assembled = to_assemble | "AssembleEpisodes" >> AssembleEpisodesFromFrames(
         incomplete_after_s=incomplete_after_s, clock_floor_s=clock_s, already_emitted=emitted, late=late,
         future_after_s=future_after_s, keep_incomplete=late_retention_s > 0,
@@ -408,9 +428,14 @@ def run_batch(
         "late": assembled[LATE_TAG], "evaluations": (*(s[EVAL_TAG] for s in splits), incomplete[EVAL_TAG]),
     } | "WriteDatasets" >> WriteDatasets(staging, recipe, commit=commit, shards=shards, prior=prior.stats,
                                          held=held, group_timeout_s=group_timeout_s)
+    _ = assembled[FEEDBACK_TAG] | "WriteFeedback" >> WriteFeedback(
+        staging, recipe, commit=commit, seen=committed_feedback_ids(out, manifests))
     result = p.run()
     result.wait_until_finish()
     counts, clock_ms = _counts(result)
+    counts.update(stage_corrections(out, staging, recipe=recipe, commit=commit, manifests=manifests,
+                                    tokenizer=load_correction_tokenizer(tokenizer) if tokenizer else None,
+                                    tokenizer_name=str(tokenizer or "")))
     manifest.counts = counts
     manifest.clock_s = max(clock_s, clock_ms / 1000.0)
     manifest.late_state = carry_late_state(layout, last, staging, clock_s=manifest.clock_s,
@@ -526,6 +551,7 @@ def run_stream(
     late_retention_s: float = DEFAULT_LATE_RETENTION_S,
     max_future_s: float = DEFAULT_MAX_FUTURE_S,
     use_domain_verifiers: bool = True,
+    tokenizer: str | None = None,
 ) -> dict[str, int]:
     """The streaming job: follow the topic, commit one dataset commit per event-time window pane.
 
@@ -562,6 +588,8 @@ def run_stream(
         max_future_s: a record time or event time more than this ahead of the wall clock is future:
             counted (``future_events``); a record time is clamped to it before it can move a watermark.
         use_domain_verifiers: run ``rollout.verifiers`` in VerifySteps.
+        tokenizer: model directory whose tokenizer turns corrections into samples (pipelines/feedback.py);
+            feedback in a stream is written to ``feedback/`` but never applied to rewards (docs/feedback.md).
 
     Returns:
         The job's counts (keys :data:`COUNT_KEYS`: from the pipeline's metrics; ``steps``, ``groups_held``
@@ -607,9 +635,9 @@ def run_stream(
     decoded = batches | "DecodeAndValidate" >> DecodeAndValidate(max_future_s=max_future_s)
     pending_in = (p | "PendingState" >> beam.Create(pending, reshuffle=False)
                   | "StampPending" >> beam.ParDo(_StampPendingFn(started)).with_output_types(Tuple[str, List[Event]]))
+    fb_split = (decoded.fragments, pending_in) | "AllFragments" >> beam.Flatten() | "Feedback" >> SplitFeedback()
     assembled = (
-        (decoded.fragments, pending_in)
-        | "AllFragments" >> beam.Flatten()
+        fb_split.fragments
         | "SkipCommitted" >> beam.ParDo(_SkipCommittedFn(frozenset(emitted))).with_output_types(
             Tuple[str, List[Event]])
         | "AssembleEpisodes" >> AssembleEpisodesStreaming(incomplete_after_s=incomplete_after_s,
@@ -626,10 +654,11 @@ def run_stream(
     _ = {
         "episodes": episodes, "incomplete": incomplete.train, "dead_letters": dead, "evaluations": evaluations,
         "late": assembled[LATE_TAG], "offsets": batches | "BatchOffsets" >> beam.Map(batch_offsets),
+        "feedback": fb_split[FEEDBACK_TAG],
     } | "CommitWindows" >> CommitWindows(out, recipe, topic=topic, window_s=window_s,
                                          allowed_lateness_s=allowed_lateness_s, shards=shards,
                                          group_timeout_s=group_timeout_s, late_retention_s=late_retention_s,
-                                         max_future_s=max_future_s)
+                                         max_future_s=max_future_s, tokenizer=tokenizer)
     _ = assembled[PENDING_TAG] | "CommitPending" >> CommitPending(out, recipe, topic=topic,
                                                                   late_retention_s=late_retention_s)
     result = p.run()
@@ -646,7 +675,10 @@ def run_stream(
     counts["commits"] = len(ours)
     # An outcome's events are written by a commit, unless the runner dropped them between the assembler and
     # the window commit (later than allowed_lateness_s): counted, not silent.
-    outcomes = ("events_used", "events_incomplete", "events_pending_out", "late_events", "dead_letters")
+    outcomes = ("events_used", "events_incomplete", "events_pending_out", "late_events", "dead_letters",
+                "feedback_events")
+    for key in ("corrections", "corrections_unresolved"):  # made by the pane writers: in the manifests only
+        counts[key] = sum(m.counts.get(key, 0) for m in ours)
     counts["events_uncommitted"] = sum(counts[k] - sum(m.counts.get(k, 0) for m in ours) for k in outcomes)
     if counts["events_uncommitted"]:
         _LOG.error("%d events the assembler counted are in no commit of this run (dropped by the runner later "
@@ -658,7 +690,8 @@ def run_stream(
 
 def _check_accounted(counts: dict[str, int]) -> None:
     """Log an error when the counts do not reconcile (events read that no outcome counted, or counted twice)."""
-    outcomes = ("events_used", "events_incomplete", "events_pending_out", "dead_letters", "duplicates", "late_events")
+    outcomes = ("events_used", "events_incomplete", "events_pending_out", "dead_letters", "duplicates", "late_events",
+                "feedback_events")
     gap = counts["events_in"] + counts["events_pending_in"] - sum(counts[k] for k in outcomes)
     if gap:
         _LOG.error("the counts do not reconcile: %+d events read are in no outcome (lost, or counted twice if "
@@ -693,6 +726,11 @@ def run(argv: Sequence[str] | None = None, *, conn: KafkaConnection | None = Non
     args, beam_args = _parse(argv)
     _check(args)
     recipe = load_recipe(args.recipe)
+    if args.tokenizer:
+        try:  # a wrong --tokenizer is found before any Beam job runs
+            load_correction_tokenizer(args.tokenizer)
+        except CorrectionError as err:
+            raise JobError(str(err)) from err
     _LOG.info("trajectory job: %s; recipe %s = %s", vars(args), recipe.version, msgspec.to_builtins(recipe))
     kafka = None
     if args.source == "kafka":
@@ -714,7 +752,7 @@ def run(argv: Sequence[str] | None = None, *, conn: KafkaConnection | None = Non
             stop_after_s=args.stop_after_s, stop_at_end=args.stop_at_end, stop_file=args.stop_file,
             shards=args.shards, group_timeout_s=args.group_timeout,
             late_retention_s=args.late_retention, max_future_s=args.max_future_s,
-            use_domain_verifiers=not args.no_domain_verifiers,
+            use_domain_verifiers=not args.no_domain_verifiers, tokenizer=args.tokenizer,
         )
     total = dict.fromkeys(COUNT_KEYS, 0)
     while True:
@@ -724,7 +762,7 @@ def run(argv: Sequence[str] | None = None, *, conn: KafkaConnection | None = Non
                 runner_name=args.runner or "FnApiRunner", archive=args.archive, kafka=kafka,
                 incomplete_after_s=args.incomplete_after, shards=args.shards, group_timeout_s=args.group_timeout,
                 late_retention_s=args.late_retention, max_future_s=args.max_future_s,
-                use_domain_verifiers=not args.no_domain_verifiers,
+                use_domain_verifiers=not args.no_domain_verifiers, tokenizer=args.tokenizer,
             )
         except (KafkaError, KafkaUnavailable, StreamTimeoutError) as err:
             if not args.loop:

@@ -65,6 +65,9 @@ class DataConfig(_Strict):
     prefetch_factor: int = Field(4, ge=1, description="batches each worker prepares ahead")
     poll_interval_s: float = Field(1.0, gt=0, description="tail: seconds between manifest scans")
     idle_timeout_s: float | None = Field(None, description="tail: stop after this long without new data")
+    corrections: Literal["exclude", "include", "only"] = Field(
+        "exclude", description="feedback corrections (corrections/, docs/feedback.md) as supervised samples: "
+        "exclude them, include them with the steps, or train only them; bc and awr only")
 
 
 class ObjectiveConfig(_Strict):
@@ -187,6 +190,10 @@ class TrainConfig(_Strict):
     def _derive(self) -> TrainConfig:
         if self.data.dir is None:
             raise ValueError("`data.dir` (--data) is required: the dataset root with _manifests/ and steps/")
+        if self.data.corrections != "exclude" and self.objective.name not in ("bc", "awr"):
+            raise ValueError(f"`data.corrections: {self.data.corrections}` trains feedback corrections, which no "
+                             f"policy sampled (no behaviour log-probs): use --objective bc or awr, not "
+                             f"{self.objective.name!r}")
         if self.mode == "online":
             if self.objective.name not in ("ppo", "grpo"):
                 raise ValueError(f"--mode online trains on-policy data; use --objective ppo|grpo, "

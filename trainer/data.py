@@ -161,12 +161,14 @@ class DatasetCommit(msgspec.Struct, frozen=True, kw_only=True):
     files: tuple[str, ...]
 
 
-def read_commit_manifest(path: Path, *, root: Path) -> DatasetCommit:
+def read_commit_manifest(path: Path, *, root: Path, tables: Sequence[str] = ("steps",)) -> DatasetCommit:
     """Read one commit manifest (``pipelines.commit.DatasetManifest``, docs/pipelines.md); keep its ``steps/`` files.
 
     Only ``commit`` and ``files[].path`` (relative to the dataset root) are
     used; the trainer does not import ``pipelines``, so the manifest is read as
-    plain JSON. A file entry may also be a bare path string.
+    plain JSON. A file entry may also be a bare path string. ``tables`` names
+    the step-shaped tables to keep (``steps``, and ``corrections``: feedback
+    corrections as one-step samples, docs/feedback.md).
 
     Raises:
         DataError: the manifest is not JSON or has no ``files`` list.
@@ -182,7 +184,7 @@ def read_commit_manifest(path: Path, *, root: Path) -> DatasetCommit:
         rel = Path(entry["path"] if isinstance(entry, dict) else entry)
         if rel.is_absolute() and rel.is_relative_to(root):
             rel = rel.relative_to(root)
-        if rel.parts and rel.parts[0] == "steps" and rel.suffix == ".parquet":
+        if rel.parts and rel.parts[0] in tables and rel.suffix == ".parquet":
             files.append(rel.as_posix())
     return DatasetCommit(commit=commit, recipe=path.parent.name, files=tuple(sorted(set(files))))
 
@@ -193,7 +195,8 @@ def list_recipes(data_dir: Path) -> list[str]:
     return sorted(p.name for p in mdir.iterdir() if p.is_dir()) if mdir.is_dir() else []
 
 
-def scan_commits(data_dir: Path, *, recipe: str, after: int = 0, upto: int | None = None) -> list[DatasetCommit]:
+def scan_commits(data_dir: Path, *, recipe: str, after: int = 0, upto: int | None = None,
+                 tables: Sequence[str] = ("steps",)) -> list[DatasetCommit]:
     """Committed and complete commits of one dataset version, in commit order.
 
     A commit is visible when its manifest exists (written atomically: the
@@ -207,6 +210,7 @@ def scan_commits(data_dir: Path, *, recipe: str, after: int = 0, upto: int | Non
         recipe: dataset version directory under ``_manifests/``.
         after: skip commits ``<= after``.
         upto: stop after this commit.
+        tables: the step-shaped tables whose files to list (:func:`read_commit_manifest`).
     """
     root = Path(data_dir)
     mdir = root / MANIFEST_DIR / recipe
@@ -220,7 +224,7 @@ def scan_commits(data_dir: Path, *, recipe: str, after: int = 0, upto: int | Non
     out: list[DatasetCommit] = []
     n = after + 1
     while n in numbered and (upto is None or n <= upto):
-        c = read_commit_manifest(numbered[n], root=root)
+        c = read_commit_manifest(numbered[n], root=root, tables=tables)
         if not all((root / f).is_file() for f in c.files):
             break
         out.append(c)
@@ -833,6 +837,9 @@ class TrajectoryStream(IterableDataset):
         world_size: number of ranks; default ``torch.distributed`` world size.
         pad_id: token id used for padding.
         drop_last: drop the final partial batch when a finite stream ends.
+        tables: step-shaped tables to read: ``("steps",)`` (default), plus ``"corrections"`` for the
+            feedback corrections (one-step samples: prompt = the recorded context of the corrected step,
+            target = the correction; docs/feedback.md), or ``("corrections",)`` alone.
 
     Raises:
         ValueError: an argument is out of range.
@@ -858,8 +865,12 @@ class TrajectoryStream(IterableDataset):
         world_size: int | None = None,
         pad_id: int = 0,
         drop_last: bool = False,
+        tables: Sequence[str] = ("steps",),
     ) -> None:
         super().__init__()
+        if not tables or not set(tables) <= {"steps", "corrections"}:
+            raise ValueError(f"`tables` must name steps and/or corrections, got {tuple(tables)}")
+        self.tables = tuple(sorted(set(tables), key=("steps", "corrections").index))
         if seq_len < 2:
             raise ValueError(f"`seq_len` must be >= 2, got {seq_len}")
         if batch_size < 1:
@@ -920,7 +931,7 @@ class TrajectoryStream(IterableDataset):
     def _freeze_snapshot(self) -> None:
         """Offline mode reads the commits visible when training starts, and keeps to them on resume."""
         if self.mode == "offline" and self.snapshot_commit is None:
-            commits = scan_commits(self.data_dir, recipe=self._resolve_recipe())
+            commits = scan_commits(self.data_dir, recipe=self._resolve_recipe(), tables=self.tables)
             if not commits:
                 raise DataError(f"{self.data_dir}: dataset {self.recipe} has no complete commit to train on")
             self.snapshot_commit = commits[-1].commit
@@ -946,6 +957,7 @@ class TrajectoryStream(IterableDataset):
             "snapshot_commit": self.snapshot_commit,
             "next_worker": self._next_worker,
             "shards": {str(k): msgspec.to_builtins(v) for k, v in sorted(self._positions.items())},
+            "tables": list(self.tables),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -966,6 +978,8 @@ class TrajectoryStream(IterableDataset):
                 "advantage_field": self.advantage_field, "seq_len": self.seq_len,
                 "batch_size": self.batch_size, "num_shards": self.num_shards, "rank": self.rank}
         diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
+        if tuple(state.get("tables", ("steps",))) != self.tables:  # positions written before corrections: steps
+            diff["tables"] = (state.get("tables", ["steps"]), list(self.tables))
         if self.recipe is not None and state.get("recipe") != self.recipe:
             diff["recipe"] = (state.get("recipe"), self.recipe)
         if diff:
@@ -1008,7 +1022,8 @@ class TrajectoryStream(IterableDataset):
 
     def _epoch_units(self, epoch: int, shard: int) -> list[_Unit]:
         """Offline: this shard's units of one epoch."""
-        commits = scan_commits(self.data_dir, recipe=self._resolve_recipe(), upto=self.snapshot_commit)
+        commits = scan_commits(self.data_dir, recipe=self._resolve_recipe(), upto=self.snapshot_commit,
+                               tables=self.tables)
         if not commits or commits[-1].commit != self.snapshot_commit:
             raise DataError(f"{self.data_dir}: commits up to {self.snapshot_commit} of {self.recipe} are gone")
         units = [u for c in commits for u in self._units_of(c)]
@@ -1019,7 +1034,7 @@ class TrajectoryStream(IterableDataset):
 
     def _tail_units(self, shard: int, known: list[_Unit], seen_commit: int) -> tuple[list[_Unit], int]:
         """Tail: extend this shard's unit list with newly complete commits."""
-        new = scan_commits(self.data_dir, recipe=self._resolve_recipe(), after=seen_commit)
+        new = scan_commits(self.data_dir, recipe=self._resolve_recipe(), after=seen_commit, tables=self.tables)
         if not new:
             return known, seen_commit
         total = self._tail_total

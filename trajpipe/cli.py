@@ -808,6 +808,58 @@ def audit_logprobs(
     _print_counts({"policy_version": version, **msgspec.to_builtins(result)})
 
 
+@app.command("feedback")
+def feedback(
+    episode: Annotated[str, typer.Option(help="the episode the feedback is about (its episode_id)")],
+    step: Annotated[Optional[int], typer.Option(help="the step it is about (default: the whole episode)")] = None,
+    score: Annotated[Optional[float], typer.Option(help="a rating (verifier outcomes are in [0, 1])")] = None,
+    correction: Annotated[Optional[str], typer.Option(help="the action the policy should have taken at --step")] = None,
+    source: Annotated[str, typer.Option(help="who gives it (annotator, reviewer, reward model)")] = "cli",
+    comment: Annotated[str, typer.Option(help="free text")] = "",
+    data: Annotated[Optional[Path], typer.Option(help="dataset root to look the episode up in")] = None,
+    archive: Annotated[Optional[Path], typer.Option(help="event archive to look the episode up in")] = None,
+    domain: Annotated[Optional[str], typer.Option(help="the episode's domain (instead of a look-up)")] = None,
+    task_id: Annotated[Optional[str], typer.Option("--task-id", help="its task (with --domain)")] = None,
+    policy_version: Annotated[int, typer.Option("--policy-version", help="its policy version (with --domain)")] = 0,
+    feedback_id: Annotated[Optional[str], typer.Option("--feedback-id", help="your id for it (dedupe key)")] = None,
+    bootstrap: BootstrapOpt = None,
+    spool_dir: Annotated[Optional[Path], typer.Option("--spool-dir", help="where to spool if Kafka is down")] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Send a rating or a correction of an episode (or one of its steps) as a `feedback` event (docs/feedback.md)."""
+    _check_dir("--data", data, must_exist=True)
+    _check_dir("--archive", archive, must_exist=True)
+    _check_dir("--spool-dir", spool_dir)
+    from streams.feedback import EpisodeRef, FeedbackError, find_episode, make_feedback, send_feedback
+
+    if domain is not None:
+        if not task_id:
+            _fail("`--domain` needs `--task-id` (and `--policy-version`), or look the episode up with --data/--archive")
+        ref = EpisodeRef(episode, domain=domain, task_id=task_id, policy_version=policy_version)
+    elif data is None and archive is None:
+        _fail("say where the episode is: `--data DIR` (datasets) or `--archive DIR`, or give `--domain`, "
+              "`--task-id` and `--policy-version`")
+    else:
+        ref = find_episode(episode, data=data, archive=archive)
+        if ref is None:
+            _fail(f"episode {episode!r} is in neither {data or '-'} (--data) nor {archive or '-'} (--archive); "
+                  "check the id, or give `--domain`, `--task-id` and `--policy-version`")
+    try:
+        event = make_feedback(ref, source=source, target_step=step, rating=score, correction=correction,
+                              comment=comment, feedback_id=feedback_id)
+    except FeedbackError as err:
+        _fail(str(err))
+    settings = load_settings(config, bootstrap=bootstrap)
+    conn = settings.connection(client_id="trajpipe-feedback")
+    topics = settings.topic_names()
+    _ensure_topics_or_spool(conn, topics, spool=spool_dir is not None or settings.spool_configured)
+    sent = send_feedback(conn, topics.events, event, spool_dir=spool_dir or Path(settings.spool_dir))
+    if not sent:
+        typer.echo("Kafka unreachable: the feedback is kept in the spool; it replays on the next run", err=True)
+    _print_counts({"feedback": 1, "sent": int(sent), "event_id": event.event_id, "episode_id": ref.episode_id,
+                   "domain": ref.domain, "policy_version": ref.policy_version})
+
+
 @app.command("query")
 def query(
     sql: Annotated[str, typer.Argument(help="SQL over the views events, steps, trajectories, dataset_dead_letters")],

@@ -152,6 +152,7 @@ class RLRecipe:
             advantage_field=d.advantage_field, mode=d.mode, seed=cfg.seed, shuffle=d.shuffle,
             max_epochs=d.max_epochs, poll_interval_s=d.poll_interval_s, idle_timeout_s=d.idle_timeout_s,
             num_workers=d.num_workers, rank=self.rank, world_size=self.world_size, pad_id=self.pad_id,
+            tables={"exclude": ("steps",), "include": ("steps", "corrections"), "only": ("corrections",)}[d.corrections],
         )
         self.loader = TrajectoryLoader(self.stream, pin_memory=self.device.type == "cuda",
                                        prefetch_factor=d.prefetch_factor)
