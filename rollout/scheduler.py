@@ -99,6 +99,10 @@ class SchedulerConfig:
         breaker_threshold: consecutive env failures that open a domain's breaker.
         breaker_cooldown_s: seconds an open breaker waits before half-opening.
         seed: seed of draws, task indices and jitter.
+        task_pool: draw tasks from a fixed pool of this many per domain and level (0: always new ones).
+        levels: when non-empty, pin the difficulty: every fresh draw takes a level uniformly from these
+            (the curriculum and review draws are off). Evaluation and demonstration runs use it to get a
+            known level mix (e.g. ``(0,)`` or ``(0, 1)``).
     """
 
     domain_weights: dict[str, float]
@@ -119,6 +123,7 @@ class SchedulerConfig:
     breaker_cooldown_s: float = 30.0
     seed: int = 0
     task_pool: int = 0
+    levels: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.domain_weights:
@@ -132,6 +137,8 @@ class SchedulerConfig:
             raise ValueError("`max_retries` must be >= 0, `breaker_threshold` and `min_attempts` >= 1")
         if self.task_pool < 0:
             raise ValueError(f"`task_pool` must be >= 0 (0: no pool), got {self.task_pool}")
+        if any(level < 0 for level in self.levels):
+            raise ValueError(f"`levels` must be >= 0, got {self.levels}")
         if not 0 < self.ema_alpha <= 1 or not 0 <= self.review_fraction < 1:
             raise ValueError("`ema_alpha` must be in (0, 1] and `review_fraction` in [0, 1)")
 
@@ -406,7 +413,9 @@ class TaskScheduler:
             domain = self._rng.choice(candidates)
         st = self.domains[domain]
         level = st.level
-        if level > 0 and self._rng.random() < self.config.review_fraction:
+        if self.config.levels:
+            level = self._rng.choice(self.config.levels)
+        elif level > 0 and self._rng.random() < self.config.review_fraction:
             level = self._rng.randrange(level)
         pool = self.config.task_pool
         task = self._factory(domain, level, st.next_index % pool if pool else st.next_index)
