@@ -50,11 +50,11 @@ def test_warm_start_beats_the_base_model_on_held_out_tasks(kafka_broker, topic_n
     assert _trajpipe(env, "pipeline", "run", "--source", "kafka", "--bootstrap", bootstrap,
                      "--out", demos)["episodes"] == 24
     config = yaml.safe_load((REPO / "trainer" / "configs" / "bc-warmstart-loop.yaml").read_text())
-    config["max_steps"] = 30  # one domain, one level: fewer steps than the two-domain recipe
+    config["max_steps"] = 60  # one domain, one level: fewer steps than the two-domain recipe
     (tmp_path / "bc.yaml").write_text(yaml.safe_dump(config))
     bc = _trajpipe(env, "train", "--config", tmp_path / "bc.yaml", "--data", demos, "--model", tiny,
                    "--out", tmp_path / "bc")
-    assert bc == {"steps": 30, "tokens": bc["tokens"], "policy_version": 1}
+    assert bc == {"steps": 60, "tokens": bc["tokens"], "policy_version": 1}
 
     held_out = ["--domains", "tools", "--levels", "0", "--episodes", 4, "--seed", HELD_OUT_SEED,
                 "--temperature", 0, "--max-steps", 5, "--max-tokens", 32, "--no-follow-policies"]
