@@ -111,6 +111,19 @@ def _faults(ctx: BenchContext) -> dict:
             "faults_events_acknowledged": f["events_acknowledged"], "faults_duration_s": f["duration_s"]}
 
 
+def _learning(ctx: BenchContext) -> dict:
+    import os
+
+    from bench.learning import LearningSetup, bench_learning
+
+    # `make bench`: a short online loop (240 s); the 15-minute figure: TRAJPIPE_BENCH_LOOP_BUDGET_S=900.
+    budget = float(os.environ.get("TRAJPIPE_BENCH_LOOP_BUDGET_S", 240))
+    figures = bench_learning(ctx.bootstrap, ctx.workdir / "learning", LearningSetup(budget_s=budget))
+    RESULTS.mkdir(exist_ok=True)  # the curve (per version, domain and level) beside latest.json
+    (RESULTS / "learning_curve.json").write_bytes((ctx.workdir / "learning" / "curve.json").read_bytes())
+    return figures
+
+
 BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "codec": _codec,
     "producer": _producer,
@@ -120,6 +133,7 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "round_trip": _round_trip,
     "trainer": _trainer,
     "faults": _faults,
+    "learning": _learning,
 }
 
 

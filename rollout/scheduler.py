@@ -109,6 +109,10 @@ class SchedulerConfig:
         breaker_cooldown_s: seconds an open breaker waits before half-opening.
         seed: seed of draws, task indices and jitter; >= 0 (negative seeds are the
             held-out evaluation namespace, :data:`rollout.heldout.EVAL_SEED`).
+        task_pool: draw tasks from a fixed pool of this many per domain and level (0: always new ones).
+        levels: when non-empty, pin the difficulty: every fresh draw takes a level uniformly from these
+            (the curriculum and review draws are off). Evaluation and demonstration runs use it to get a
+            known level mix (e.g. ``(0,)`` or ``(0, 1)``).
     """
 
     domain_weights: dict[str, float]
@@ -129,6 +133,7 @@ class SchedulerConfig:
     breaker_cooldown_s: float = 30.0
     seed: int = 0
     task_pool: int = 0
+    levels: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.domain_weights:
@@ -145,6 +150,8 @@ class SchedulerConfig:
                              f"got {self.seed}")
         if self.task_pool < 0:
             raise ValueError(f"`task_pool` must be >= 0 (0: no pool), got {self.task_pool}")
+        if any(level < 0 for level in self.levels):
+            raise ValueError(f"`levels` must be >= 0, got {self.levels}")
         if not 0 < self.ema_alpha <= 1 or not 0 <= self.review_fraction < 1:
             raise ValueError("`ema_alpha` must be in (0, 1] and `review_fraction` in [0, 1)")
 
@@ -422,7 +429,9 @@ class TaskScheduler:
             domain = self._rng.choice(candidates)
         st = self.domains[domain]
         level = st.level
-        if level > 0 and self._rng.random() < self.config.review_fraction:
+        if self.config.levels:
+            level = self._rng.choice(self.config.levels)
+        elif level > 0 and self._rng.random() < self.config.review_fraction:
             level = self._rng.randrange(level)
         pool = self.config.task_pool
         for _ in range(_MAX_HELDOUT_SKIPS):

@@ -203,7 +203,8 @@ class RolloutCounts(msgspec.Struct, kw_only=True):
                 "domains": {d: msgspec.to_builtins(c) for d, c in sorted(self.domains.items())}}
 
 
-def make_scheduler(domains: list[str], *, seed: int = 0, adaptive: bool = True, task_pool: int = 0) -> TaskScheduler:
+def make_scheduler(domains: list[str], *, seed: int = 0, adaptive: bool = True, task_pool: int = 0,
+                   levels: tuple[int, ...] = ()) -> TaskScheduler:
     """An in-memory scheduler over ``domains`` with equal base weights.
 
     Args:
@@ -211,14 +212,20 @@ def make_scheduler(domains: list[str], *, seed: int = 0, adaptive: bool = True, 
         seed: seed of draws and task generation.
         adaptive: weight toward domains whose pass rate is neither ~0 nor ~1.
         task_pool: draw tasks from a fixed pool of this many per domain and level (0: always new ones).
+        levels: pin the difficulty to these levels, drawn uniformly (empty: the curriculum decides).
 
     Raises:
-        ValueError: ``domains`` is empty.
+        ValueError: ``domains`` is empty, or a level is out of a domain's range.
     """
     if not domains:
         raise ValueError("`domains` is empty; name at least one, e.g. code,math")
+    from rollout.envs import max_difficulty
+
+    too_high = sorted({f"{d}/{lv}" for d in domains for lv in levels if lv > max_difficulty(d)})
+    if too_high:
+        raise ValueError(f"`levels` {', '.join(too_high)} above the domain's highest level")
     return TaskScheduler(SchedulerConfig(domain_weights={d: 1.0 for d in domains}, adaptive=adaptive, seed=seed,
-                                         task_pool=task_pool))
+                                         task_pool=task_pool, levels=tuple(levels)))
 
 
 class TaskSource(Protocol):

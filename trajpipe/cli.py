@@ -618,6 +618,8 @@ def rollout(
     task_pool: Annotated[int, typer.Option("--task-pool", help="draw tasks from a fixed pool of N per domain and "
                                                                "level (0: always new tasks)")] = 0,
     seed: Annotated[int, typer.Option(help="seed of task draws and sampling")] = 0,
+    levels: Annotated[Optional[str], typer.Option(help="pin difficulty levels, e.g. 0 or 0,1 (drawn uniformly; "
+                                                       "default: the curriculum)")] = None,
     max_steps: Annotated[int, typer.Option("--max-steps", help="steps per episode")] = 16,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="new tokens per action (hf, vllm)")] = 64,
     temperature: Annotated[float, typer.Option(help="sampling temperature (hf, vllm); 0 = greedy")] = 1.0,
@@ -671,6 +673,11 @@ def rollout(
         _fail(f"`--seed` must be >= 0 (negative seeds are the held-out evaluation tasks), got {seed}")
     if task_pool < 0:
         _fail(f"`--task-pool` must be >= 0 (0: always new tasks), got {task_pool}")
+    try:
+        level_list = tuple(int(x) for x in levels.split(",") if x.strip()) if levels else ()
+        scheduler = make_scheduler(domain_list, seed=seed, task_pool=task_pool, levels=level_list)
+    except ValueError as err:
+        _fail(f"`--levels` {levels!r}: {err}")
     published = _published_policy(model)
     policy_version = policy_version if policy_version is not None else published.get("version", 0)
     policy_lineage = policy_lineage if policy_lineage is not None else published.get("lineage", "")
@@ -720,7 +727,7 @@ def rollout(
         worker = RolloutWorker(actor, emit=producer.emit,
                                config=RolloutConfig(episodes=episodes, concurrency=concurrency, max_steps=max_steps,
                                                     producer_id=producer_id, group_size=group_size),
-                               scheduler=make_scheduler(domain_list, seed=seed, task_pool=task_pool),
+                               scheduler=scheduler,
                                follower=follower, on_episode=on_episode)
         if follower is not None:
             follower.start()

@@ -234,3 +234,24 @@ def test_task_pool_repeats_a_fixed_set_of_tasks():
     assert ids == ["a-0-0", "a-0-1"] * 3
     with pytest.raises(ValueError, match="task_pool"):
         SchedulerConfig(domain_weights={"a": 1.0}, task_pool=-1)
+
+
+def test_pinned_levels_draw_only_those_levels_and_ignore_the_curriculum():
+    s = TaskScheduler(SchedulerConfig(domain_weights={"a": 1.0}, levels=(0, 2), min_attempts=1, promote_at=0.5),
+                      task_factory=synthetic, clock=Clock(), autosave_every=0)
+    levels = []
+    for _ in range(60):
+        t = s.next_task()
+        levels.append(t.task.difficulty)
+        s.report(t, status="success")  # would promote an unpinned scheduler every time
+    assert set(levels) == {0, 2} and 15 < levels.count(0) < 45
+    with pytest.raises(ValueError, match="levels"):
+        SchedulerConfig(domain_weights={"a": 1.0}, levels=(-1,))
+
+
+def test_make_scheduler_refuses_a_level_above_the_domain_range():
+    from rollout.worker import make_scheduler
+
+    assert make_scheduler(["tools"], levels=(0, 1)).config.levels == (0, 1)
+    with pytest.raises(ValueError, match="tools/7"):
+        make_scheduler(["tools"], levels=(7,))

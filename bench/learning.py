@@ -1,0 +1,367 @@
+"""Does a policy trained on our datasets get better? The learning figures, measured on the real path.
+
+Everything goes through the product's own commands and data, as a user would run them:
+
+1. **Warm start** (the offline path, item 3 of issue 13): ``trajpipe model init-tiny`` → scripted
+   demonstrations in the tiny model's tokens (``trajpipe rollout --policy scripted --model tiny
+   --domains code,tools --levels 0,1 --seed DEMO_SEED``) → Kafka → ``trajpipe pipeline run --source
+   kafka`` → ``trajpipe train --config trainer/configs/bc-warmstart-loop.yaml`` (behaviour cloning,
+   DeepSpeed) → policy v1.
+2. **Held-out evaluation** of the base model and of every published version: the
+   rollout worker with the ``hf`` policy at temperature 0 (greedy) on a fixed set of held-out
+   tasks per (domain, level) -- task seed ``EVAL_SEED``, never used for demonstrations or training
+   -- whose episodes go through Kafka to their own topic (never into a training dataset).
+3. **Online GRPO** from v1, each iteration the real commands: the current policy's rollouts in
+   groups (``hf``, sampled, training seed ``TRAIN_SEED + i``, levels 0-1) → Kafka →
+   ``trajpipe pipeline run --source kafka`` (the new micro-batch; complete-group advantages) →
+   ``trajpipe train --config trainer/configs/grpo-loop.yaml --model <current>`` (GRPO,
+   staleness 0, continues the lineage: v(n) → v(n+1)) → evaluation of the new version.
+   Iterations run until the wall-clock budget (rollouts + Beam job + training, evaluation not
+   counted: in ``trajpipe loop`` the evaluator runs beside the loop) is spent.
+
+Figures (into ``bench/results/latest.json``):
+
+* ``bc_heldout_pass_rate``: v1's pass rate on the held-out level-0 tasks of the domains (goal >= 0.5);
+  ``bc_base_heldout_pass_rate`` the base model's on the same tasks.
+* ``loop_pass_rate_gain``: best held-out pass rate (level 0-1 mix) of a version published within the
+  budget minus v1's, in points of pass rate (0.10 = 10 points; goal >= 0.10 in 15 minutes).
+  ``loop_pass_rate_gain_last`` is the last version's gain (no choice of version).
+* ``learning_v<N>_pass_rate`` (and ``learning_v<N>_<domain>``): the curve, level 0-1 mix.
+  The whole curve (per version, domain and level, with the wall-clock time of each version) is
+  also written to ``bench/results/learning_curve.json``.
+
+Budget: ``make bench`` runs the loop for ``TRAJPIPE_BENCH_LOOP_BUDGET_S`` seconds (default 240);
+the 15-minute figure of the issue is ``--budget-s 900``::
+
+    .venv/bin/python -m bench.learning --budget-s 900          # own broker, full figure
+    TRAJPIPE_BENCH_LOOP_BUDGET_S=900 .venv/bin/python -m bench.run learning
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = ["LearningSetup", "bench_learning", "evaluate_policy", "main"]
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "trainer" / "configs"
+RESULTS = Path(__file__).with_name("results")
+
+
+@dataclass(frozen=True)
+class LearningSetup:
+    """The recipe of the learning figures.
+
+    Attributes:
+        domains: the domains demonstrated, trained and evaluated.
+        model_args: ``trajpipe model init-tiny`` flags (the default: 2 layers, hidden 128, ~0.94 M parameters).
+        demo_episodes: scripted demonstrations (levels ``demo_levels``).
+        demo_levels: difficulty levels of the demonstrations.
+        demo_noise: probability of a wrong scripted decision (the failures are demonstrations of a
+            failure and its recovery, e.g. a rewrite after failing tests; BC clones every step).
+        demo_seed: task seed of the demonstrations.
+        bc_config: warm-start recipe (``trajpipe train --config``).
+        eval_seed: task seed of the held-out tasks (never a demonstration or training seed).
+        eval_tasks: held-out tasks per (domain, level).
+        base_eval_tasks: held-out level-0 tasks per domain for the base model (a random-init model never
+            stops early: each of its actions costs ``max_tokens``; the first ``base_eval_tasks`` of the
+            same held-out tasks).
+        eval_max_steps: steps per evaluation episode.
+        max_tokens: new tokens per action (evaluation and training rollouts).
+        train_seed: training rollouts of iteration ``i`` use seed ``train_seed + i``.
+        train_levels: level mix of the training rollouts and of the loop's evaluation.
+        group_size: GRPO group size.
+        groups_per_iter: groups of rollouts per iteration.
+        temperature: sampling temperature of the training rollouts.
+        train_max_steps: steps per training episode.
+        grpo_config: GRPO recipe (``trajpipe train --config``), optimizer steps per iteration in it.
+        budget_s: wall-clock budget of the online loop, seconds.
+        base_model: start from this model directory instead of ``trajpipe model init-tiny`` (e.g. a local
+            Qwen2.5-0.5B-Instruct on a GPU machine, bench/gpu_loop.sh).
+        policy: rollout and evaluation engine, ``hf`` or ``vllm``.
+        eval_base: evaluate the base model too (``bc_base_heldout_pass_rate``).
+    """
+
+    domains: tuple[str, ...] = ("code", "tools")
+    model_args: tuple[str, ...] = ()
+    demo_episodes: int = 160
+    demo_levels: str = "0,1"
+    demo_noise: float = 0.0
+    demo_seed: int = 1
+    bc_config: Path = CONFIGS / "bc-warmstart-loop.yaml"
+    eval_seed: int = 900_001
+    eval_tasks: int = 8
+    base_eval_tasks: int = 4
+    eval_max_steps: int = 6
+    max_tokens: int = 64
+    train_seed: int = 100
+    train_levels: tuple[int, ...] = (0, 1)
+    group_size: int = 8
+    groups_per_iter: int = 6
+    temperature: float = 1.0
+    train_max_steps: int = 6
+    grpo_config: Path = CONFIGS / "grpo-loop.yaml"
+    budget_s: float = 240.0
+    base_model: Path | None = None
+    policy: str = "hf"
+    eval_base: bool = True
+
+
+@dataclass
+class _Point:
+    """One evaluated version of the curve."""
+
+    policy_version: int
+    elapsed_s: float
+    by_domain_level: dict[str, dict] = field(default_factory=dict)
+
+    def rate(self, *, domains: tuple[str, ...] | None = None, levels: tuple[int, ...] | None = None) -> float:
+        cells = [c for k, c in self.by_domain_level.items()
+                 if (domains is None or k.split("/")[0] in domains)
+                 and (levels is None or int(k.split("/")[1]) in levels)]
+        episodes = sum(c["episodes"] for c in cells)
+        return sum(c["passed"] for c in cells) / episodes if episodes else 0.0
+
+
+def _topic_env(topic: str, spool: Path) -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), "TRAJPIPE_TOPICS__EVENTS": topic,
+            "TRAJPIPE_TOPICS__CONTROL": f"{topic}.ctl", "TRAJPIPE_TOPICS__DEAD_LETTERS": f"{topic}.dl",
+            "TRAJPIPE_TOPICS__PARTITIONS": "2", "TRAJPIPE_SPOOL_DIR": str(spool)}
+
+
+def _trajpipe(env: dict, log: Path, *args) -> dict:
+    """Run one ``trajpipe`` command; its last stdout line (JSON counts). Its stderr goes to ``log``."""
+    with log.open("a") as err:
+        err.write(f"\n$ trajpipe {' '.join(map(str, args))}\n")
+        err.flush()
+        proc = subprocess.run([sys.executable, "-m", "trajpipe", *map(str, args)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=err, text=True, timeout=1800, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"trajpipe {' '.join(map(str, args))} exited {proc.returncode}; see {log}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def evaluate_policy(model: Path, *, bootstrap: str, topic: str, spool: Path, domains: tuple[str, ...],
+                    levels: tuple[int, ...], tasks: int, seed: int, max_steps: int, max_tokens: int,
+                    policy_version: int = 0, policy: str = "hf") -> dict[str, dict]:
+    """Greedy pass rate of ``model`` on held-out tasks: ``tasks`` per (domain, level) of task seed ``seed``.
+
+    The real rollout worker (``policy``: ``hf`` or ``vllm``; sandboxed environments) runs the episodes
+    and emits their events to ``topic`` (an evaluation topic: no training dataset reads it).
+
+    Returns:
+        ``{"<domain>/<level>": {"episodes": n, "passed": k, "pass_rate": k / n}}``.
+    """
+    from rollout.envs import generate_tasks
+    from rollout.policies.hf import HFPolicy
+    from rollout.worker import RolloutConfig, RolloutWorker, make_scheduler
+    from schemas.events import SamplingParams
+    from streams.admin import ensure_topics
+    from streams.config import KafkaConnection, Topics
+    from streams.producer import EventProducer
+
+    conn = KafkaConnection(bootstrap_servers=bootstrap)
+    ensure_topics(conn, Topics(events=topic, dead_letters=f"{topic}.dl", control=f"{topic}.ctl", partitions=2))
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0)
+    if policy == "vllm":
+        from rollout.policies.vllm import VLLMPolicy
+
+        actor = VLLMPolicy(model, sampling=sampling, policy_version=policy_version, max_batch=16)
+    else:
+        actor = HFPolicy.from_pretrained(model, sampling=sampling, policy_version=policy_version)
+    scheduler = make_scheduler(list(domains), seed=seed, levels=levels)
+    for domain in domains:
+        for level in levels:
+            for task in generate_tasks(domain, tasks, seed=seed, difficulty=level):
+                scheduler.submit(task)
+    cells: dict[str, dict] = {f"{d}/{lv}": {"episodes": 0, "passed": 0} for d in domains for lv in levels}
+
+    def on_episode(result, _counts) -> None:
+        level = int(re.search(r"-d(\d+)-", result.task_id).group(1))
+        cell = cells[f"{result.domain}/{level}"]
+        cell["episodes"] += 1
+        cell["passed"] += int(result.status == "success")
+
+    total = tasks * len(domains) * len(levels)
+    try:
+        with EventProducer(conn, topic, spool_dir=spool) as producer:
+            worker = RolloutWorker(actor, emit=producer.emit, scheduler=scheduler, on_episode=on_episode,
+                                   config=RolloutConfig(episodes=total, concurrency=16 if policy == "vllm" else 4,
+                                                        max_steps=max_steps, producer_id="bench-learning-eval"))
+            worker.run()
+            producer.flush()
+    finally:
+        close = getattr(actor, "close", None)
+        if close is not None:
+            close()
+    for cell in cells.values():
+        cell["pass_rate"] = round(cell["passed"] / cell["episodes"], 4) if cell["episodes"] else 0.0
+    return cells
+
+
+def bench_learning(bootstrap: str, workdir: Path, setup: LearningSetup = LearningSetup(), *,
+                   log=print) -> dict:
+    """Warm start, then online GRPO for ``setup.budget_s``; the learning figures and the curve.
+
+    Returns:
+        The flat figures (see the module docstring); the curve is also in ``workdir / "curve.json"``.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = uuid.uuid4().hex[:8]
+    logs = workdir / "commands.log"
+    demos_env = _topic_env(f"learn.{run}.demos", workdir / "spool-demos")
+    rl_env = _topic_env(f"learn.{run}.rl", workdir / "spool-rl")
+    eval_topic = f"learn.{run}.eval"
+    domains = ",".join(setup.domains)
+    all_levels = tuple(sorted({0, *setup.train_levels}))
+
+    def evaluate(model: Path, version: int, elapsed: float, *, levels: tuple[int, ...] = all_levels,
+                 tasks: int = setup.eval_tasks) -> _Point:
+        t0 = time.perf_counter()
+        cells = evaluate_policy(model, bootstrap=bootstrap, topic=eval_topic, spool=workdir / "spool-eval",
+                                domains=setup.domains, levels=levels, tasks=tasks,
+                                seed=setup.eval_seed, max_steps=setup.eval_max_steps,
+                                max_tokens=setup.max_tokens, policy_version=version, policy=setup.policy)
+        point = _Point(policy_version=version, elapsed_s=round(elapsed, 1), by_domain_level=cells)
+        log(f"v{version} @ {elapsed:.0f} s: level 0 {point.rate(levels=(0,)):.3f}, levels "
+            f"{setup.train_levels} {point.rate(levels=setup.train_levels):.3f} "
+            f"{json.dumps({k: c['pass_rate'] for k, c in cells.items()})} (eval {time.perf_counter() - t0:.0f} s)")
+        return point
+
+    # 1. warm start from the log
+    t_warm = time.perf_counter()
+    if setup.base_model is None:
+        tiny = workdir / "tiny"
+        params = _trajpipe(demos_env, logs, "model", "init-tiny", "--out", tiny, *setup.model_args)["params"]
+    else:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        tiny = setup.base_model
+        with __import__("torch").device("meta"):
+            params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny)).parameters())
+    demo = _trajpipe(demos_env, logs, "rollout", "--bootstrap", bootstrap, "--policy", "scripted", "--model", tiny,
+                     "--domains", domains, "--levels", setup.demo_levels, "--episodes", setup.demo_episodes,
+                     "--noise", setup.demo_noise, "--seed", setup.demo_seed, "--concurrency", 4)
+    demos = workdir / "demos"
+    _trajpipe(demos_env, logs, "pipeline", "run", "--source", "kafka", "--bootstrap", bootstrap, "--out", demos)
+    bc = _trajpipe(demos_env, logs, "train", "--config", setup.bc_config, "--data", demos, "--model", tiny,
+                   "--out", workdir / "bc")
+    v1 = workdir / "bc" / "policies" / f"v{bc['policy_version']}"
+    warm_s = time.perf_counter() - t_warm
+    log(f"warm start: {params} parameters, {demo['episodes']} demonstrations ({demo['passed']} passed), "
+        f"{bc['steps']} BC steps, {warm_s:.0f} s")
+    base = evaluate(tiny, 0, 0.0, levels=(0,), tasks=setup.base_eval_tasks) if setup.eval_base else None
+    curve = [evaluate(v1, bc["policy_version"], 0.0)]
+
+    # 2. online GRPO from v1, real commands per iteration, until the budget is spent
+    current, version, spent, iteration, trained_steps = v1, bc["policy_version"], 0.0, 0, 0
+    iterations: list[dict] = []
+    while spent < setup.budget_s:
+        t0 = time.perf_counter()
+        rollout = _trajpipe(rl_env, logs, "rollout", "--bootstrap", bootstrap, "--policy", setup.policy, "--model", current,
+                  "--domains", domains, "--levels", ",".join(map(str, setup.train_levels)),
+                  "--group-size", setup.group_size, "--episodes", setup.group_size * setup.groups_per_iter,
+                  "--max-steps", setup.train_max_steps, "--max-tokens", setup.max_tokens,
+                  "--temperature", setup.temperature, "--seed", setup.train_seed + iteration,
+                  "--concurrency", setup.group_size, "--no-follow-policies")
+        t1 = time.perf_counter()
+        _trajpipe(rl_env, logs, "pipeline", "run", "--source", "kafka", "--bootstrap", bootstrap,
+                  "--out", workdir / "rl")
+        t2 = time.perf_counter()
+        out = workdir / f"grpo-{iteration}"
+        summary = _trajpipe(rl_env, logs, "train", "--config", setup.grpo_config, "--data", workdir / "rl",
+                            "--model", current, "--out", out)
+        trained_steps += summary["steps"]
+        version = summary["policy_version"]
+        current = out / "policies" / f"v{version}"
+        t3 = time.perf_counter()
+        spent += t3 - t0
+        steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        steps = [m for m in steps if "perf/step_time_s" in m]
+        iterations.append({
+            "policy_version": version, "rollout_s": round(t1 - t0, 1), "pipeline_s": round(t2 - t1, 1),
+            "train_s": round(t3 - t2, 1), "episodes": rollout["episodes"], "passed": rollout["passed"],
+            "train_steps": summary["steps"], "train_tokens": summary["tokens"],
+            "train_step_s": round(sum(m["perf/step_time_s"] for m in steps), 2),
+            "train_reward": round(sum(m.get("train/reward", 0.0) for m in steps) / max(len(steps), 1), 4)})
+        log(f"iteration {iteration}: {json.dumps(iterations[-1])}")
+        iteration += 1
+        curve.append(evaluate(current, version, spent))
+
+    rate = lambda p: p.rate(levels=setup.train_levels)  # noqa: E731 - the loop's figure: level 0-1 mix
+    start, last, best = rate(curve[0]), rate(curve[-1]), max(rate(p) for p in curve[1:]) if curve[1:] else 0.0
+    figures: dict[str, float] = {
+        "bc_heldout_pass_rate": round(curve[0].rate(levels=(0,)), 4),
+        "bc_model_params": params,
+        "bc_warmstart_s": round(warm_s, 1),
+        "loop_pass_rate_gain": round(best - start, 4),
+        "loop_pass_rate_gain_last": round(last - start, 4),
+        "loop_budget_s": setup.budget_s,
+        "loop_wall_s": round(spent, 1),
+        "loop_iterations": iteration,
+        "loop_train_steps": trained_steps,
+    }
+    for point in curve:
+        figures[f"learning_v{point.policy_version}_pass_rate"] = round(rate(point), 4)
+        for d in setup.domains:
+            figures[f"learning_v{point.policy_version}_{d}"] = round(point.rate(domains=(d,), levels=setup.train_levels), 4)
+    if base is not None:
+        figures["bc_base_heldout_pass_rate"] = round(base.rate(levels=(0,)), 4)
+    curve_doc = {"setup": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(setup).items()},
+                 "params": params, "figures": figures, "iterations": iterations,
+                 "curve": [asdict(p) for p in ([base] if base else []) + curve]}
+    (workdir / "curve.json").write_text(json.dumps(curve_doc, indent=1) + "\n")
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budget-s", type=float, default=float(os.environ.get("TRAJPIPE_BENCH_LOOP_BUDGET_S", 900)),
+                        help="wall-clock budget of the online loop, seconds (default 900: the issue's figure)")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the run here (default: a temp dir)")
+    parser.add_argument("--bootstrap", default=None, help="an existing broker (default: start one)")
+    parser.add_argument("--model", type=Path, default=None, help="base model directory (default: init-tiny)")
+    parser.add_argument("--policy", choices=("hf", "vllm"), default="hf", help="rollout and evaluation engine")
+    parser.add_argument("--bc-config", type=Path, default=LearningSetup.bc_config)
+    parser.add_argument("--grpo-config", type=Path, default=LearningSetup.grpo_config)
+    parser.add_argument("--eval-tasks", type=int, default=LearningSetup.eval_tasks, help="per domain and level")
+    parser.add_argument("--groups-per-iter", type=int, default=LearningSetup.groups_per_iter)
+    parser.add_argument("--no-eval-base", action="store_true", help="skip the base model's evaluation")
+    parser.add_argument("--results", action="store_true",
+                        help="also write bench/results/learning_curve.json (the CPU figure's curve)")
+    args = parser.parse_args(argv)
+    import shutil
+    import tempfile
+
+    from bench.run import BenchContext
+
+    setup = LearningSetup(budget_s=args.budget_s, base_model=args.model, policy=args.policy,
+                          bc_config=args.bc_config.resolve(), grpo_config=args.grpo_config.resolve(),
+                          eval_tasks=args.eval_tasks, groups_per_iter=args.groups_per_iter,
+                          eval_base=not args.no_eval_base)
+    with tempfile.TemporaryDirectory(prefix="trajpipe-learning-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        ctx = BenchContext(Path(tmp))
+        try:
+            bootstrap = args.bootstrap or ctx.bootstrap
+            figures = bench_learning(bootstrap, workdir, setup, log=lambda m: print(m, file=sys.stderr, flush=True))
+        finally:
+            ctx.close()
+        if args.results:
+            RESULTS.mkdir(exist_ok=True)
+            shutil.copy(workdir / "curve.json", RESULTS / "learning_curve.json")
+    print(json.dumps(figures), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
