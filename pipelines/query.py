@@ -1,26 +1,10 @@
-"""DuckDB views over the event archive and the datasets, for analysts.
+"""DuckDB views over the event archive and the datasets (kept for callers of :func:`register_views`).
 
-Views (each only if its directory exists):
-
-* ``events`` — the event archive (one row per event; ``step.action_text``, ...).
-* ``steps`` / ``trajectories`` — the datasets, every recipe version
-  (``recipe`` and ``domain`` come from the hive partition keys).
-* ``dataset_dead_letters`` — messages the trajectory job quarantined.
-* ``late_events`` — events that came after their episode was written as
-  incomplete (archive event schema plus ``late_reason``; pipelines/late.py).
-
-Only committed files are read: the archive's are listed from its manifests;
-the datasets' final files only ever appear after their commit (atomic rename).
-
-From the shell::
-
-    trajpipe query --archive data/archive --data data/datasets \\
-        "select domain, count(*) episodes, avg(outcome_reward) from trajectories group by domain"
+The views and the layout they read live in :mod:`pipelines.catalog`; this is a thin wrapper.
 
 Examples:
     >>> import duckdb
-    >>> con = duckdb.connect()
-    >>> register_views(con)
+    >>> register_views(duckdb.connect())
     []
 """
 
@@ -30,39 +14,23 @@ from pathlib import Path
 
 import duckdb
 
-from streams.archive import committed_files
+from pipelines.catalog import open_catalog
 
 __all__ = ["register_views"]
-
-
-def _list(paths: list[Path]) -> str:
-    return "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
 
 
 def register_views(
     con: duckdb.DuckDBPyConnection, *, archive: Path | None = None, data: Path | None = None
 ) -> list[str]:
-    """Create the analyst views on ``con``; returns the names created.
+    """Create the analyst views of :func:`pipelines.catalog.open_catalog` on ``con``; returns the Parquet-backed ones.
 
     Args:
         con: a DuckDB connection.
         archive: event archive directory (``trajpipe archive --out``).
-        data: dataset root (``trajpipe pipeline run --out``).
+        data: dataset root (``trajpipe pipeline run --out``); every version side by side.
     """
-    created = []
-    if archive is not None:
-        files = committed_files(Path(archive))
-        if files:
-            con.execute(f"create or replace view events as select * from read_parquet({_list(files)}, "
-                        "hive_partitioning=true)")
-            created.append("events")
-    if data is not None:
-        for name, sub in (("steps", "steps"), ("trajectories", "trajectories"),
-                          ("dataset_dead_letters", "dead_letters"), ("late_events", "late_events")):
-            root = Path(data) / sub
-            if any(root.glob("**/*.parquet")):
-                glob = str(root / "**" / "*.parquet").replace("'", "''")
-                con.execute(f"create or replace view {name} as select * from "
-                            f"read_parquet('{glob}', hive_partitioning=true, union_by_name=true)")
-                created.append(name)
-    return created
+    if archive is None and data is None:
+        return []
+    catalog = open_catalog(archive=archive, data=data, version="all")
+    catalog.register(con)
+    return list(catalog.tables)
