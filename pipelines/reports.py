@@ -82,10 +82,10 @@ def _pass_rate(views: Collection[str]) -> str:
 
 
 def _dist(metric: str, source: str, where: str) -> str:
+    # one quantile aggregate with three points: one sort of the column, not three
     return f"""
         select domain, '{metric}' as metric, count(*) as n, avg({metric}) as mean, stddev_pop({metric}) as std,
-               min({metric}) as min, quantile_cont({metric}, 0.25) as p25, quantile_cont({metric}, 0.5) as p50,
-               quantile_cont({metric}, 0.75) as p75, max({metric}) as max
+               min({metric}) as min, quantile_cont({metric}, [0.25, 0.5, 0.75]) as q, max({metric}) as max
         from {source} where {where} group by domain"""
 
 
@@ -93,7 +93,9 @@ def _rewards(views: Collection[str]) -> str:
     parts = [_dist("outcome_reward", "trajectories", _JUDGED), _dist("episode_return", "trajectories", _JUDGED)]
     if "steps" in views:
         parts.append(_dist("normalized_advantage", "steps", "trainable"))
-    return " union all ".join(parts) + " order by metric, domain"
+    return f"""
+        select domain, metric, n, mean, std, min, q[1] as p25, q[2] as p50, q[3] as p75, max
+        from ({" union all ".join(parts)}) order by metric, domain"""
 
 
 def _policy_lag(views: Collection[str]) -> str:
@@ -108,23 +110,37 @@ def _policy_lag(views: Collection[str]) -> str:
 
 
 def _token_cost(views: Collection[str]) -> str:
+    # The context of step t sums the episode's tokens before its action; summed over an episode's n steps it is
+    # sum_k (obs_k + act_k) * (n - k) - sum_k act_k, so totals and means need no running sum. Only the
+    # long-context share does, and only over episodes whose final context reaches the threshold.
     return f"""
-        with s as (
-            select domain, episode_id, step_index, len(observation_token_ids) as obs, len(action_token_ids) as act,
-                   context_cut_tokens
+        with s as materialized (
+            select domain, episode_id, step_index, num_steps, len(observation_token_ids) as obs,
+                   len(action_token_ids) as act, context_cut_tokens
             from steps),
-        c as (
-            select *, sum(obs + act) over (partition by episode_id order by step_index
-                                           rows between unbounded preceding and current row) - act as context
-            from s)
-        select domain, count(distinct episode_id) as episodes, count(*) as steps,
-               sum(obs) as prompt_tokens, sum(act) as generated_tokens, sum(context) as context_tokens,
-               sum(act) / count(distinct episode_id) as generated_per_episode,
-               avg(context) as mean_context, max(context) as max_context,
-               avg(case when step_index > 0 then obs + act end) as context_growth_per_step,
-               avg((context >= {LONG_CONTEXT_TOKENS})::int) as long_context_share,
-               avg((context_cut_tokens > 0)::int) as context_cut_share
-        from c group by domain order by domain"""
+        e as (
+            select domain, episode_id, count(*) as steps, sum(obs) as obs, sum(act) as act,
+                   sum((obs + act) * (num_steps - step_index)) - sum(act) as context_tokens,
+                   sum(obs + act) - sum(case when step_index = num_steps - 1 then act else 0 end) as final_context,
+                   sum(case when step_index > 0 then obs + act else 0 end) as growth,
+                   count(*) filter (where step_index > 0) as later_steps,
+                   count(*) filter (where context_cut_tokens > 0) as cut_steps
+            from s group by domain, episode_id),
+        long as (
+            select domain, count(*) filter (where context >= {LONG_CONTEXT_TOKENS}) as long_steps
+            from (select domain, sum(obs + act) over (partition by episode_id order by step_index
+                                                      rows between unbounded preceding and current row) - act
+                             as context
+                  from s semi join (select episode_id from e where final_context >= {LONG_CONTEXT_TOKENS}) using
+                       (episode_id))
+            group by domain)
+        select domain, count(*) as episodes, sum(steps) as steps, sum(obs) as prompt_tokens,
+               sum(act) as generated_tokens, sum(context_tokens) as context_tokens,
+               sum(act) / count(*) as generated_per_episode, sum(context_tokens) / sum(steps) as mean_context,
+               max(final_context) as max_context, sum(growth) / nullif(sum(later_steps), 0) as context_growth_per_step,
+               coalesce(any_value(long_steps), 0) / sum(steps) as long_context_share,
+               sum(cut_steps) / sum(steps) as context_cut_share
+        from e left join long using (domain) group by domain order by domain"""
 
 
 def _failures(views: Collection[str]) -> str:
