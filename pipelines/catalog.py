@@ -356,24 +356,8 @@ def open_catalog(
                                f"{_what_is_there(data)}; write one with `trajpipe pipeline run --out {data}`")
         cat.version = _select_version(versions, version, as_of)
         shown = list(versions) if cat.version == ALL_VERSIONS else [cat.version] if cat.version else []
-        named: dict[str, list[str]] = {}
-        firsts: dict[str, list[str]] = {}
-        last: dict[str, tuple[str, int]] = {}
-        newest: dict[str, int] = {}
-        for v in shown:
-            manifests = versions[v] if as_of is None else versions[v][:as_of]
-            for m in manifests:
-                for f in m.files:
-                    if (t := _table_of(f.path)) is not None:
-                        named.setdefault(t, []).append(str(data / f.path))
-                        if last.get(t) != (v, m.commit):
-                            last[t] = (v, m.commit)
-                            firsts.setdefault(t, []).append(str(data / f.path))
-                        newest[t] = m.commit
-        one = None if cat.version == ALL_VERSIONS else cat.version
-        for t, files in named.items():
-            cat.tables[t] = TableFiles(t, tuple(files), version=one, commit=newest[t] if one else None,
-                                       schema_files=tuple(firsts[t]))
+        cat.tables.update(_version_tables(data, {v: versions[v][:as_of] for v in shown},
+                                          one=None if cat.version == ALL_VERSIONS else cat.version))
         committed = {t for ms in versions.values() for m in ms for f in m.files if (t := _table_of(f.path))}
         for t in tables:  # tables no manifest names: another tool writes them; read what is there
             if t not in committed and t not in cat.tables:
@@ -394,6 +378,24 @@ def open_catalog(
                           ("files", pa.int64()), ("snapshot", pa.bool_()),
                           ("opened_at", pa.timestamp("us", tz="UTC"))]))
     return cat
+
+
+def _version_tables(data: Path, shown: dict[str, list[DatasetManifest]], *, one: str | None
+                    ) -> dict[str, TableFiles]:
+    """The tables of the shown versions' commits: every data file the manifests name, in commit order."""
+    named: dict[str, list[str]] = {}
+    firsts: dict[str, list[str]] = {}
+    last: dict[str, tuple[str, int]] = {}
+    for v, manifests in shown.items():
+        for m in manifests:
+            for f in m.files:
+                if (t := _table_of(f.path)) is not None:
+                    named.setdefault(t, []).append(str(data / f.path))
+                    if last.get(t) != (v, m.commit):
+                        last[t] = (v, m.commit)
+                        firsts.setdefault(t, []).append(str(data / f.path))
+    return {t: TableFiles(t, tuple(files), version=one, commit=last[t][1] if one else None,
+                          schema_files=tuple(firsts[t])) for t, files in named.items()}
 
 
 def _select_version(versions: dict[str, list[DatasetManifest]], version: str | None, as_of: int | None) -> str | None:

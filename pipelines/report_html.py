@@ -138,7 +138,7 @@ def write_html_report(catalog: Catalog, out: Path | str) -> dict[str, Any]:
     tables = {name: run_report(con, name, views)
               for name in ("pass_rate", "token_cost", "failures", "dead_letters", "throughput", "commits")}
     figures = _figures(tables)
-    counts = {name: con.execute(f"select count(*) from {name}").fetchone()[0]
+    counts = {name: con.sql(f"select count(*) from {name}").fetchall()[0][0]
               for name in ("trajectories", "steps", "events", "dead_letters", "late_events", "evaluations")
               if name in views}
     divs = []
