@@ -348,9 +348,11 @@ def open_catalog(
                                               commit=commits[-1].commit,
                                               schema_files=tuple(str(archive / c.files[0]) for c in commits))
     if data is not None:
+        if (data / "_commits").is_dir():
+            raise CatalogError(f"{data} holds no dataset: it is an event archive (_commits/); give it as `--archive`")
         cat.versions = versions = _dataset_versions(data)
-        tables = sorted(p.name for p in data.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))) \
-            if data.is_dir() else []
+        tables = sorted(p.name for p in data.iterdir() if p.is_dir() and p.name.isidentifier()
+                        and not p.name.startswith("_")) if data.is_dir() else []
         if not versions and not tables:
             raise CatalogError(f"{data} holds no dataset (no _manifests/ and no tables); it holds "
                                f"{_what_is_there(data)}; write one with `trajpipe pipeline run --out {data}`")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -64,6 +65,13 @@ def run_query(catalog: Catalog, sql: str) -> pa.Table:
         con.close()
 
 
+def _json_value(value: Any) -> Any:
+    """JSON for what Arrow rows hold beyond JSON's types: DuckDB's HUGEINT sums arrive as ``Decimal``."""
+    if isinstance(value, Decimal):
+        return int(value) if value == value.to_integral_value() else float(value)
+    return str(value)  # timestamps, dates, bytes
+
+
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
 
@@ -93,7 +101,7 @@ def write_result(table: pa.Table, *, fmt: str, out: Path | None, title: str | No
         else:
             pacsv.write_csv(table, out)
     elif fmt == "json":
-        text = "".join(json.dumps(row, default=str) + "\n" for row in table.to_pylist())
+        text = "".join(json.dumps(row, default=_json_value) + "\n" for row in table.to_pylist())
         _emit(text, out)
     else:
         from rich.console import Console
@@ -166,6 +174,6 @@ def report_command(name: str, *, data: Path | None, archive: Path | None, runs: 
     table = run_query(catalog, sql)
     if fmt == "json" and out is None:  # one machine-readable document
         print(json.dumps({"report": name, "title": REPORTS[name].title, "version": catalog.version,
-                          "columns": table.column_names, "rows": table.to_pylist()}, default=str), flush=True)
+                          "columns": table.column_names, "rows": table.to_pylist()}, default=_json_value), flush=True)
         return None
     return write_result(table, fmt=fmt, out=out, title=REPORTS[name].title)
