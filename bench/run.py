@@ -111,6 +111,12 @@ def _faults(ctx: BenchContext) -> dict:
             "faults_events_acknowledged": f["events_acknowledged"], "faults_duration_s": f["duration_s"]}
 
 
+def _analytics(ctx: BenchContext) -> dict:
+    from bench.analytics import bench_analytics
+
+    return bench_analytics(ctx.workdir / "analytics")
+
+
 BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "codec": _codec,
     "producer": _producer,
@@ -120,6 +126,7 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "round_trip": _round_trip,
     "trainer": _trainer,
     "faults": _faults,
+    "analytics": _analytics,
 }
 
 
