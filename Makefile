@@ -26,11 +26,15 @@ $(PRISM): pipelines/runtime/install_prism.sh
 $(FLINK_JS): pipelines/runtime/flink-job-server/pom.xml pipelines/runtime/install_flink_jobserver.sh
 	pipelines/runtime/install_flink_jobserver.sh
 
-# bubblewrap isolates sandboxed commands (rollout/sandbox/, docs/security.md).
+# bubblewrap isolates sandboxed commands (rollout/sandbox/, docs/security.md); chromium renders the HTML report.
 system-packages:
 	@command -v bwrap >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; \
 	  else echo "bubblewrap missing: sudo apt-get install bubblewrap" >&2; exit 1; fi; }
+	@# chromium: the HTML report's test renders it headless (tests/pipelines/test_analytics.py, docs/analytics.md).
+	@command -v chromium >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
+	  else echo "chromium missing: sudo apt-get install chromium" >&2; exit 1; fi; }
 
 $(VENV)/bin/python:
 	$(PY_SYS) -m venv $(VENV)

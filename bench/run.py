@@ -124,6 +124,12 @@ def _learning(ctx: BenchContext) -> dict:
     return figures
 
 
+def _analytics(ctx: BenchContext) -> dict:
+    from bench.analytics import bench_analytics
+
+    return bench_analytics(ctx.workdir / "analytics")
+
+
 BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "codec": _codec,
     "producer": _producer,
@@ -134,6 +140,7 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "trainer": _trainer,
     "faults": _faults,
     "learning": _learning,
+    "analytics": _analytics,
 }
 
 

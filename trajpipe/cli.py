@@ -56,6 +56,7 @@ USER_ERRORS: frozenset[tuple[str, str]] = frozenset({
     ("rollout.context", "ChatTemplateError"),
     ("rollout.evaluate", "EvalError"),
     ("trajpipe.cli", "CommandLineError"),  # and ModelDirError
+    ("trajpipe.analytics", "AnalyticsError"),  # query, catalog, report
 })
 #: Built-in exceptions that, escaping a command, come from a path given on the command line.
 _PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError, PermissionError)
@@ -867,47 +868,57 @@ def feedback(
                    "domain": ref.domain, "policy_version": ref.policy_version})
 
 
+DataOpt = Annotated[Optional[Path], typer.Option("--data", help="dataset root (trajpipe pipeline run --out)")]
+ArchiveOpt = Annotated[Optional[Path], typer.Option("--archive", help="event archive (trajpipe archive --out)")]
+RunsOpt = Annotated[Optional[list[Path]], typer.Option("--runs", help="training run dir(s) (or their parent): "
+                                                       "policies/v*/policy.json become the `policies` view")]
+VersionOpt = Annotated[Optional[str], typer.Option("--version", help="dataset version <recipe>-<hash8> (or recipe "
+                                                   "name), `all` for every one; default: the newest committed")]
+AsOfOpt = Annotated[Optional[int], typer.Option("--as-of", help="the version as of this commit (default: newest)")]
+FormatOpt = Annotated[str, typer.Option("--format", help="table, csv, json or parquet")]
+OutOpt = Annotated[Optional[Path], typer.Option("--out", help="write to this file instead of stdout")]
+
+
 @app.command("query")
 def query(
-    sql: Annotated[str, typer.Argument(help="SQL over the views events, steps, trajectories, dataset_dead_letters")],
-    archive: Annotated[Optional[Path], typer.Option(help="event archive directory")] = None,
-    data: Annotated[Optional[Path], typer.Option(help="dataset root directory")] = None,
-    fmt: Annotated[str, typer.Option("--format", help="table, csv or json")] = "table",
+    sql: Annotated[str, typer.Argument(help="SQL over the catalog's views (docs/analytics.md)")],
+    data: DataOpt = None, archive: ArchiveOpt = None, runs: RunsOpt = None, version: VersionOpt = None,
+    as_of: AsOfOpt = None, fmt: FormatOpt = "table", out: OutOpt = None,
 ) -> None:
-    """Query the archive and datasets with DuckDB (views: events, steps, trajectories, ...)."""
-    _check_dir("--archive", archive, must_exist=True)
-    _check_dir("--data", data, must_exist=True)
-    if fmt not in ("table", "csv", "json"):
-        _fail(f"`--format` {fmt!r} is not one of table, csv, json")
-    import duckdb
+    """Query the archive and datasets with DuckDB (views: events, steps, trajectories, commits, ...)."""
+    from trajpipe.analytics import query_command
 
-    from pipelines.query import register_views
+    counts = query_command(sql, data=data, archive=archive, runs=runs or [], version=version, as_of=as_of, fmt=fmt,
+                           out=out)
+    if counts is not None:
+        _print_counts(counts)
 
-    if archive is None and data is None:
-        _fail("give `--archive DIR` and/or `--data DIR`")
-    con = duckdb.connect()
-    views = register_views(con, archive=archive, data=data)
-    if not views:
-        _fail(f"no committed data under {archive or ''} {data or ''}")
-    try:
-        table = con.sql(sql).to_arrow_table()
-    except duckdb.Error as err:
-        _fail(f"{err} (views: {', '.join(views)})")
-    if fmt == "json":
-        for row in table.to_pylist():
-            print(json.dumps(row, default=str))
-    elif fmt == "csv":
-        import pyarrow.csv as pacsv
 
-        pacsv.write_csv(table, sys.stdout.buffer)
-    else:
-        from rich.console import Console
-        from rich.table import Table
+@app.command("catalog")
+def catalog(
+    db: Annotated[Path, typer.Option("--db", help="DuckDB database file to write (replaced atomically)")],
+    data: DataOpt = None, archive: ArchiveOpt = None, runs: RunsOpt = None, version: VersionOpt = None,
+    as_of: AsOfOpt = None,
+) -> None:
+    """Write a DuckDB database whose views are every table (open it with `duckdb FILE`); rerun to refresh."""
+    from trajpipe.analytics import catalog_command
 
-        out = Table(*table.column_names)
-        for row in table.to_pylist():
-            out.add_row(*("" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()))
-        Console().print(out)
+    _print_counts(catalog_command(db=db, data=data, archive=archive, runs=runs or [], version=version, as_of=as_of))
+
+
+@app.command("report")
+def report(
+    name: Annotated[str, typer.Argument(help="list, html, or a report name (`trajpipe report list`)")],
+    data: DataOpt = None, archive: ArchiveOpt = None, runs: RunsOpt = None, version: VersionOpt = None,
+    as_of: AsOfOpt = None, fmt: FormatOpt = "table", out: OutOpt = None,
+) -> None:
+    """Canned analyst reports; `html --out FILE` writes them all as charts in one self-contained page."""
+    from trajpipe.analytics import report_command
+
+    counts = report_command(name, data=data, archive=archive, runs=runs or [], version=version, as_of=as_of,
+                            fmt=fmt, out=out)
+    if counts is not None:
+        _print_counts(counts)
 
 
 @pipeline_app.command(
@@ -938,7 +949,8 @@ def pipeline_run(ctx: typer.Context) -> None:
 
 
 #: What the demo leaves in its workdir (and so may wipe on the next run).
-_DEMO_ENTRIES = frozenset({"broker", "tiny", "archive", "datasets", "bc", "grpo", "spool"})
+_DEMO_ENTRIES = frozenset({"broker", "tiny", "archive", "datasets", "bc", "grpo", "spool", "catalog.duckdb",
+                           "report.html"})
 
 
 @app.command("demo")
@@ -1046,11 +1058,17 @@ def demo(
             "14. rollouts that follow the published policy (transformers)", "rollout", "--bootstrap", bootstrap,
             "--episodes", "8", "--group-size", str(group_size), "--policy", "hf", "--model", str(v1), "--max-steps",
             "8", "--max-tokens", "24", "--temperature", "1.0", *pool)
+        analytics = ("--data", str(data), "--archive", str(archive), "--runs", str(workdir))
+        results["catalog"] = step("15. analytics: every table as DuckDB views (open with `duckdb FILE`)", "catalog",
+                                  *analytics, "--db", str(workdir / "catalog.duckdb"))
+        results["report"] = step("16. analytics: the HTML report (charts, self-contained)", "report", "html",
+                                 *analytics, "--out", str(workdir / "report.html"))
     finally:
-        step("15. stop the broker", "broker", "stop", "--data-dir", str(workdir / "broker"))
+        step("17. stop the broker", "broker", "stop", "--data-dir", str(workdir / "broker"))
     console.rule("[bold]summary")
     console.print(f"archive: {archive}\ndatasets: {data}\npolicies: {workdir / 'bc' / 'policies'}, "
-                  f"{grpo_run / 'policies'}")
+                  f"{grpo_run / 'policies'}\ncatalog: {results['catalog'].get('db')}\n"
+                  f"report: {results['report'].get('out')}")
     _print_counts({
         "rollout_episodes": results["rollout"].get("episodes"), "rollout_passed": results["rollout"].get("passed"),
         "events_archived": results["archive"].get("events"), "trajectories": results["pipeline"].get("episodes"),
