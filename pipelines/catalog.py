@@ -26,6 +26,7 @@ Views (each only if its table has data):
 ``evaluation_pass_rates``     held-out pass rate per policy version x domain x level (finished,
                               non-aborted ``evaluations`` rows, each episode once)
 ``evaluations``, ``feedback``, ``corrections``, ...   any other table under ``<data>``
+                              (``evaluations``: finished held-out episodes, each once)
 ``policies``                  published policies (one row per ``policy.json``)
 ``commits``                   commit history: every dataset commit of every version and every
                               archive commit, with its counts and time
@@ -104,8 +105,7 @@ _DERIVED = {
                round(avg(passed::int), 4) as pass_rate, round(avg(outcome_reward), 4) as mean_reward,
                round(avg(prompt_tokens), 1) as mean_prompt_tokens, round(avg(action_tokens), 1) as mean_action_tokens,
                count(distinct eval_run) as eval_runs
-        from (select * from evaluations where complete and status <> 'aborted'
-              qualify row_number() over (partition by episode_id order by recipe) = 1)
+        from evaluations where status <> 'aborted'
         group by all order by policy_version, domain, difficulty"""),
 }
 
@@ -174,8 +174,12 @@ class Catalog:
         """The ``select`` a Parquet-backed view runs (absolute file paths; DuckDB SQL)."""
         t = self.tables[name]
         files = "[" + ", ".join(_quote(f) for f in t.files) + "]"
-        return (f"select * from read_parquet({files}, hive_partitioning={'true' if t.hive else 'false'}, "
-                "union_by_name=true, filename=true)")
+        sql = (f"select * from read_parquet({files}, hive_partitioning={'true' if t.hive else 'false'}, "
+               "union_by_name=true, filename=true)")
+        if name == "evaluations":  # finished eval episodes, each once even when several versions are shown
+            sql = (f"select * from ({sql}) where complete "
+                   "qualify row_number() over (partition by episode_id order by recipe) = 1")
+        return sql
 
     def register(self, con: duckdb.DuckDBPyConnection) -> list[str]:
         """Create every view on ``con`` (in-memory frames are registered, not copied); returns the names."""
@@ -205,6 +209,8 @@ class Catalog:
             return pl.from_arrow(self.connect().execute(f"select * from {name}").arrow()).lazy()  # an aggregate
         if name not in self.tables:
             raise CatalogError(f"no view {name!r}; views: {', '.join(self.views) or 'none'}")
+        if name == "evaluations":  # the view's rows (see view_sql), not the table's
+            return pl.from_arrow(self.connect().execute("select * from evaluations").arrow()).lazy()
         t = self.tables[name]
         schema = pa.unify_schemas([pq.read_schema(f) for f in t.schema_files or t.files], promote_options="permissive")
         return pl.scan_parquet(list(t.files), schema=pl.from_arrow(schema.empty_table()).schema,

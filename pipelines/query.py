@@ -22,7 +22,8 @@ __all__ = ["register_views"]
 def register_views(
     con: duckdb.DuckDBPyConnection, *, archive: Path | None = None, data: Path | None = None
 ) -> list[str]:
-    """Create the analyst views of :func:`pipelines.catalog.open_catalog` on ``con``; returns the Parquet-backed ones.
+    """Create the analyst views of :func:`pipelines.catalog.open_catalog` on ``con``; returns the Parquet-backed ones
+    and those derived from them.
 
     Args:
         con: a DuckDB connection.
@@ -33,4 +34,4 @@ def register_views(
         return []
     catalog = open_catalog(archive=archive, data=data, version="all")
     catalog.register(con)
-    return list(catalog.tables)
+    return [*catalog.tables, *(v for v in ("evaluation_pass_rates",) if v in catalog.views)]

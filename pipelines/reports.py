@@ -72,8 +72,7 @@ def _pass_rate(views: Collection[str]) -> str:
         return """
             select domain, policy_version, 'evaluations' as source, count(*) as episodes,
                    sum(passed::int) as passed, avg(passed::int) as pass_rate, avg(outcome_reward) as mean_reward
-            from (select * from evaluations where complete and status <> 'aborted'
-                  qualify row_number() over (partition by episode_id order by recipe) = 1)
+            from evaluations where status <> 'aborted'
             group by domain, policy_version order by domain, policy_version"""
     return f"""
         select domain, policy_version, 'rollouts' as source, count(*) as episodes,
