@@ -39,6 +39,7 @@ every event of an episode carries the version (and lineage) that started it.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -187,14 +188,17 @@ class RolloutCounts(msgspec.Struct, kw_only=True):
                 "domains": {d: msgspec.to_builtins(c) for d, c in sorted(self.domains.items())}}
 
 
-def make_scheduler(domains: list[str], *, seed: int = 0, adaptive: bool = True, task_pool: int = 0) -> TaskScheduler:
-    """An in-memory scheduler over ``domains`` with equal base weights.
+def make_scheduler(domains: list[str], *, seed: int = 0, adaptive: bool = True, task_pool: int = 0,
+                   state_path: str | os.PathLike[str] | None = None) -> TaskScheduler:
+    """A scheduler over ``domains`` with equal base weights (in memory, or persisted to ``state_path``).
 
     Args:
         domains: the domains to draw from.
         seed: seed of draws and task generation.
         adaptive: weight toward domains whose pass rate is neither ~0 nor ~1.
         task_pool: draw tasks from a fixed pool of this many per domain and level (0: always new ones).
+        state_path: JSON file the scheduler saves its state to after every result and resumes from when it
+            exists (levels, pass rates, RNG, group rounds; tickets in flight at a crash run again).
 
     Raises:
         ValueError: ``domains`` is empty.
@@ -202,7 +206,7 @@ def make_scheduler(domains: list[str], *, seed: int = 0, adaptive: bool = True, 
     if not domains:
         raise ValueError("`domains` is empty; name at least one, e.g. code,math")
     return TaskScheduler(SchedulerConfig(domain_weights={d: 1.0 for d in domains}, adaptive=adaptive, seed=seed,
-                                         task_pool=task_pool))
+                                         task_pool=task_pool), state_path=state_path)
 
 
 class _AbortablePolicy:

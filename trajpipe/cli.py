@@ -629,6 +629,9 @@ def rollout(
     follow_policies: Annotated[bool, typer.Option("--follow-policies/--no-follow-policies",
                                                   help="load versions published on the control topic")] = True,
     producer_id: Annotated[Optional[str], typer.Option("--producer-id", help="worker id on the events")] = None,
+    scheduler_state: Annotated[Optional[Path], typer.Option(
+        "--scheduler-state", help="JSON file of the task scheduler's state: saved after every episode, resumed "
+                                  "from when it exists (levels, pass rates, RNG, group rounds)")] = None,
     bootstrap: BootstrapOpt = None,
     spool_dir: Annotated[Optional[Path], typer.Option("--spool-dir", help="where to spool if Kafka is down")] = None,
     config: ConfigOpt = None,
@@ -668,6 +671,12 @@ def rollout(
         _fail(f"`--group-size` must be >= 1, got {group_size}")
     if task_pool < 0:
         _fail(f"`--task-pool` must be >= 0 (0: always new tasks), got {task_pool}")
+    if scheduler_state is not None and scheduler_state.is_dir():
+        _fail(f"`--scheduler-state` {scheduler_state} is a directory; give a JSON file path")
+    try:
+        scheduler = make_scheduler(domain_list, seed=seed, task_pool=task_pool, state_path=scheduler_state)
+    except (ValueError, KeyError, json.JSONDecodeError) as err:
+        _fail(f"`--scheduler-state` {scheduler_state} cannot be resumed from: {err}")
     published = _published_policy(model)
     policy_version = policy_version if policy_version is not None else published.get("version", 0)
     policy_lineage = policy_lineage if policy_lineage is not None else published.get("lineage", "")
@@ -717,7 +726,7 @@ def rollout(
         worker = RolloutWorker(actor, emit=producer.emit,
                                config=RolloutConfig(episodes=episodes, concurrency=concurrency, max_steps=max_steps,
                                                     producer_id=producer_id, group_size=group_size),
-                               scheduler=make_scheduler(domain_list, seed=seed, task_pool=task_pool),
+                               scheduler=scheduler,
                                follower=follower, on_episode=on_episode)
         if follower is not None:
             follower.start()
@@ -843,6 +852,25 @@ def pipeline_run(ctx: typer.Context) -> None:
     except (JobError, RecipeError, VerifiersUnavailable) as err:
         _fail(str(err))
     _print_counts(counts)
+
+
+@app.command("loop")
+def loop(
+    config: Annotated[Path, typer.Option("--config", help="loop YAML (trajpipe/configs/loop.yaml)")],
+    resume: Annotated[bool, typer.Option("--resume", help="continue the run in the config's run_dir")] = False,
+) -> None:
+    """The online RL loop: rollouts, archiver, Beam job, online trainer, evaluator, each its own process (docs/loop.md)."""
+    from trajpipe.loop import load_loop_config, run_loop
+
+    if not config.is_file():
+        _fail(f"`--config` {config} is not a file; give a loop YAML (see trajpipe/configs/loop.yaml)")
+    cfg = load_loop_config(config)
+    summary = run_loop(cfg, resume=resume, echo=lambda line: print(line, file=sys.stderr, flush=True))
+    _print_counts(summary)
+    if summary.get("error"):
+        sys.stdout.flush()
+        print(f"error: {summary['error']}", file=sys.stderr, flush=True)
+        raise typer.Exit(1)
 
 
 #: What the demo leaves in its workdir (and so may wipe on the next run).
