@@ -23,7 +23,9 @@ that many). Whichever comes first stops the loop cleanly.
 **Clean stop** (budget, Ctrl-C, SIGTERM), in this order, so nothing acknowledged is lost and nothing is left
 half-made: the rollout workers (they finish or abort their episodes and flush their producers), the trainer
 (its checkpoints are taken at every publish, so it resumes from the last published version), the evaluator
-once it has reported the newest version (bounded by ``drain_timeout_s``), then the pipeline once its
+once it has reported the newest version (bounded by ``drain_timeout_s``; a version the follower skipped,
+published while it was busy or down, gets a one-off ``trajpipe eval --policy-version V``), then the pipeline
+once its
 commits cover every event in the topic, then the archiver once its commits do; the embedded broker last.
 Events a process has not consumed stay in Kafka: a later ``--resume`` reads them from the committed offsets.
 
@@ -619,7 +621,7 @@ class Loop:
 
         conn, topics = self._kafka()
         try:
-            return end_offsets(conn, topics.events, timeout_s=5.0)
+            return end_offsets(conn, topics.events, timeout_s=15.0)
         except Exception as err:  # noqa: BLE001 - progress only: the topic may not exist yet, a broker may restart
             log.debug("end offsets of %s: %s", topics.events, err)
             return None
@@ -714,6 +716,15 @@ class Loop:
         return (f"[{now - self.t0:6.0f}s] policy {vtxt} | trainer {step}{stale} | events "
                 f"{events if events is not None else '?'}{rate}{lag} | pass rate {ev}")
 
+    def _progress(self) -> None:
+        while not self.stop_event.wait(self.cfg.progress_every_s):
+            try:
+                line = self.progress_line()
+            except Exception as err:  # noqa: BLE001 - progress must never end the loop
+                line = f"loop: progress unavailable ({type(err).__name__}: {err})"
+            if not self.stop_event.is_set():
+                self.echo(line)
+
     def report_new_evaluations(self) -> None:
         evals = self.evaluations()
         if len(evals) == self._evals_seen:
@@ -747,6 +758,26 @@ class Loop:
                   "in Kafka for --resume)")
         return False
 
+    def _evaluate_missing(self) -> None:
+        """Versions the follower skipped (published while it was busy, starting, or down): one `trajpipe eval` each."""
+        evaluator = self.children["evaluator"]
+        deadline = time.monotonic() + self.cfg.drain_timeout_s
+        for version in self.policy_versions():
+            if version in self.evaluations():
+                continue
+            if time.monotonic() >= deadline:
+                self.echo(f"loop: v{version} not evaluated (drain_timeout_s spent); `trajpipe eval --policy-version "
+                          f"{version}` evaluates it later")
+                continue
+            argv = [a for a in evaluator.argv if a != "--follow"]
+            argv[argv.index("--policy-version") + 1] = str(version)
+            one = Child(f"eval-v{version}", argv, evaluator.log, stdout=self.paths.evals)
+            one.start(self.env)
+            if one.wait(max(1.0, deadline - time.monotonic())) is None:
+                one.stop(30)
+            self.echo(f"loop: evaluated v{version} on demand" if version in self.evaluations()
+                      else f"loop: evaluation of v{version} failed; see {evaluator.log}")
+
     def _covered(self, offsets: Callable[[], dict[int, int]], end: dict[int, int] | None, name: str) -> bool:
         child = self.children.get(name)
         if child is not None and child.poll() is not None:
@@ -779,6 +810,8 @@ class Loop:
                                  lambda: versions[-1] in self.evaluations() or evaluator.poll() is not None, t)
             evaluator.stop(60)
             self.echo("loop: evaluator stopped")
+            if self.failed is None and self.stop_reason != "signal":
+                self._evaluate_missing()
         end = self.topic_end()
         if "pipeline" in self.children:
             self._wait_until("datasets covering the topic",
@@ -806,17 +839,16 @@ class Loop:
             self.echo(f"loop: run {self.paths.root} ({'resumed, invocation ' + str(self.state['invocations']) if self.resume else 'new'}),"
                       f" warm start {self.model} (v{self.state['start_version']}), lineage {self.state['lineage']}")
             self.start_children()
-            next_progress = time.monotonic() + self.cfg.progress_every_s
+            # Progress reads Kafka and the manifests (slow on a busy machine): its own thread, so that the
+            # budget and dead children are seen within a second.
+            progress = threading.Thread(target=self._progress, name="loop-progress", daemon=True)
+            progress.start()
             while not self.stop_event.wait(1.0):
                 self.check_children()
                 self.report_new_evaluations()
                 reason = self.budget_reached()
                 if reason:
                     self.request_stop(reason)
-                    break
-                if time.monotonic() >= next_progress:
-                    self.echo(self.progress_line())
-                    next_progress = time.monotonic() + self.cfg.progress_every_s
             self.echo(f"loop: stopping ({self.stop_reason})")
             self.shutdown()
             self.report_new_evaluations()

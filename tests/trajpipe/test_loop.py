@@ -120,43 +120,40 @@ def _topic_events(bootstrap: str) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.integration
+@pytest.mark.timeout(2400)
 def test_loop_kill9_each_part_then_resume_loses_nothing(tmp_path: Path) -> None:
     tiny = tmp_path / "tiny"
     assert _trajpipe("model", "init-tiny", "--out", str(tiny), cwd=tmp_path).returncode == 0
     run = tmp_path / "run"
     cfg = _write_config(tmp_path / "loop.yaml", run_dir=str(run), model=str(tiny), **{
-        "budget.policy_versions": 2, "budget.seconds": 900, "broker.keep_running": True,
+        "budget.policy_versions": 4, "budget.seconds": 1800, "broker.keep_running": True,
         "restarts.max_per_child": 2})
     bootstrap = ""
     try:
         # 1. SIGKILL each part in turn once training runs: the loop restarts it from its durable state.
         proc = _start_loop(cfg, tmp_path)
         _wait("the first trained step", lambda: (run / "train" / "metrics.jsonl").is_file()
-              and '"step"' in (run / "train" / "metrics.jsonl").read_text(), 600, proc)
+              and '"step"' in (run / "train" / "metrics.jsonl").read_text(), 900, proc)
         bootstrap = _state(run)["bootstrap"]
         for name in ("rollout-0", "archiver", "pipeline", "trainer"):
             pid = _state(run)["pids"][name]
             os.kill(pid, signal.SIGKILL)
             _wait(f"{name} restarted", lambda: _state(run).get("pids", {}).get(name) not in (None, pid), 60, proc)
-        first = _finish(proc, 900)
-        assert first["restarts"] == {"rollout-0": 1, "archiver": 1, "pipeline": 1, "trainer": 1, "evaluator": 0}
-        assert first["policy_versions"][-1] >= 2 and first["stopped_by"].startswith("budget")
+        log = (tmp_path / "loop.stderr").read_text()
+        for name in ("rollout-0", "archiver", "pipeline", "trainer"):
+            assert f"loop: {name} exited with status -9; restart 1/2" in log
 
-        # 2. --resume, then SIGKILL the loop itself: its processes keep running, orphaned.
-        cfg = _write_config(tmp_path / "loop.yaml", run_dir=str(run), model=str(tiny), **{
-            "budget.policy_versions": 4, "budget.seconds": 900, "broker.keep_running": True})
-        proc = _start_loop(cfg, tmp_path, "--resume")
-        last = first["policy_versions"][-1]
-        _wait(f"v{last + 1}", lambda: _versions(run)[-1] > last, 600, proc)
+        # 2. Then SIGKILL the loop itself once v2 is out: its processes keep running, orphaned.
+        _wait("v2", lambda: (_versions(run) or [0])[-1] >= 2, 900, proc)
         orphans = dict(_state(run)["pids"])
         proc.kill()
         proc.wait()
 
-        # 3. --resume again: the orphans are stopped, the run goes on to v4 and stops cleanly.
+        # 3. --resume: the orphans are stopped, the run goes on to v4 (budget over resumes) and stops cleanly.
         proc = _start_loop(cfg, tmp_path, "--resume")
         _wait("orphans stopped", lambda: all(not Path(f"/proc/{p}").exists() for p in orphans.values()), 120, proc)
-        final = _finish(proc, 900)
-        assert final["stopped_by"].startswith("budget")
+        final = _finish(proc, 1200)
+        assert final["stopped_by"].startswith("budget"), final
 
         versions = _versions(run)
         assert versions == list(range(1, versions[-1] + 1)) and versions[-1] >= 4
