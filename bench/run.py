@@ -111,6 +111,13 @@ def _faults(ctx: BenchContext) -> dict:
             "faults_events_acknowledged": f["events_acknowledged"], "faults_duration_s": f["duration_s"]}
 
 
+def _loop(ctx: BenchContext) -> dict:
+    from bench.loop import bench_loop
+
+    # Its own brokers (one per run); a small budget here, `python -m bench.loop --budget-s 600` for a longer run.
+    return bench_loop(ctx.workdir / "loop", budget_s=240.0)
+
+
 BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "codec": _codec,
     "producer": _producer,
@@ -120,6 +127,7 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "round_trip": _round_trip,
     "trainer": _trainer,
     "faults": _faults,
+    "loop": _loop,
 }
 
 
