@@ -874,7 +874,7 @@ def loop(
 
 
 #: What the demo leaves in its workdir (and so may wipe on the next run).
-_DEMO_ENTRIES = frozenset({"broker", "tiny", "archive", "datasets", "bc", "grpo", "spool"})
+_DEMO_ENTRIES = frozenset({"broker", "tiny", "archive", "datasets", "bc", "grpo", "spool", "loop", "loop.yaml"})
 
 
 @app.command("demo")
@@ -890,7 +890,8 @@ def demo(
     Scripted demonstrations in the tiny model's tokens (sandboxed domains) -> archive -> Beam job -> rebuild
     with another reward recipe -> BC warm start (v1) -> v1's rollouts in GRPO groups -> Beam job (complete-group
     advantages) -> query -> round-trip audit of v1's log-probs -> GRPO from v1, v2 published on the control
-    topic -> rollouts that load v2.
+    topic -> rollouts that load v2 -> the online loop (`trajpipe loop`) from v1 for three versions, each
+    evaluated on held-out tasks, and the pass rate per version.
     """
     import shutil
     import socket
@@ -984,6 +985,11 @@ def demo(
             "8", "--max-tokens", "24", "--temperature", "1.0", *pool)
     finally:
         step("15. stop the broker", "broker", "stop", "--data-dir", str(workdir / "broker"))
+    results["loop"] = step("16. the online loop from v1 (own broker; 3 versions, each evaluated on held-out tasks)",
+                           "loop", "--config", str(_demo_loop_config(workdir, v1)))
+    console.rule("[bold]pass rate per policy version (held-out evaluation)")
+    for version, rate in results["loop"].get("pass_rate_by_version", {}).items():
+        console.print(f"v{version}: {rate:.3f}")
     console.rule("[bold]summary")
     console.print(f"archive: {archive}\ndatasets: {data}\npolicies: {workdir / 'bc' / 'policies'}, "
                   f"{grpo_run / 'policies'}")
@@ -996,7 +1002,21 @@ def demo(
         "train_steps": results["train"].get("steps"), "policy_version": results["train"].get("policy_version"),
         "episodes_with_new_policy": results["rollout_new_policy"].get("episodes"),
         "new_policy_passed": results["rollout_new_policy"].get("passed"),
+        "loop_policy_versions": results["loop"].get("policy_versions"),
+        "loop_pass_rate_by_version": results["loop"].get("pass_rate_by_version"),
     })
+
+
+def _demo_loop_config(workdir: Path, model: Path) -> Path:
+    """The demo's loop: trajpipe/configs/loop-tiny.yaml from the BC policy, in ``workdir/loop``."""
+    import yaml
+
+    doc = yaml.safe_load((Path(__file__).resolve().parent / "configs" / "loop-tiny.yaml").read_text())
+    doc.update(run_dir=str(workdir / "loop"), model=str(model))
+    doc["budget"] = {"seconds": 300, "policy_versions": 3}
+    path = workdir / "loop.yaml"
+    path.write_text(f"# trajpipe loop --config {path}\n" + yaml.safe_dump(doc, sort_keys=False))
+    return path
 
 
 def main() -> None:
