@@ -144,6 +144,8 @@ class EvalSettings(_Strict):
     max_steps: int | None = Field(None, ge=1, description="default: the rollout's")
     max_tokens: int | None = Field(None, ge=1, description="default: the rollout's")
     temperature: float = Field(0.0, ge=0, description="0: greedy")
+    warm_start: bool = Field(True, description="also evaluate the warm-start model once at the run's start (the "
+                             "baseline of the pass-rate curve)")
 
 
 class RestartSettings(_Strict):
@@ -394,6 +396,7 @@ class Loop:
         self._conn = None
         self._topics = None
         self._evals_seen = 0
+        self.oneshots: list[Child] = []  # one-off evaluations: they end by themselves, never restarted
 
     # -- setup -----------------------------------------------------------------------------------
 
@@ -571,10 +574,20 @@ class Loop:
             if name in self.children:
                 self.children[name].start(self.env)
                 self.echo(f"loop: started {name} (pid {self.children[name].pid}), log {self.children[name].log}")
+        evaluator = self.children.get("evaluator")
+        if evaluator is not None and self.cfg.eval.warm_start and not self.resume:
+            argv = [a for a in evaluator.argv if a != "--follow"]
+            i = argv.index("--policy-version")
+            argv[i:i + 2] = ["--model", str(self.model)]
+            baseline = Child("eval-warm-start", argv, evaluator.log, stdout=self.paths.evals)
+            baseline.start(self.env)
+            self.oneshots.append(baseline)
+            self.echo(f"loop: evaluating the warm start v{self.state['start_version']} (pid {baseline.pid})")
         self._record_pids()
 
     def _record_pids(self) -> None:
-        self.state["pids"] = {n: c.pid for n, c in self.children.items() if c.pid is not None and c.poll() is None}
+        self.state["pids"] = {n: c.pid for n, c in [*self.children.items(), *((c.name, c) for c in self.oneshots)]
+                              if c.pid is not None and c.poll() is None}
         self.state["argv"] = {n: c.argv for n, c in self.children.items()}
         _write_json(self.paths.state, self.state)
 
@@ -810,6 +823,10 @@ class Loop:
                                  lambda: versions[-1] in self.evaluations() or evaluator.poll() is not None, t)
             evaluator.stop(60)
             self.echo("loop: evaluator stopped")
+            for one in self.oneshots:
+                if one.poll() is None and (self.failed is not None or self.stop_reason == "signal"
+                                           or one.wait(self.cfg.drain_timeout_s) is None):
+                    one.stop(30)
             if self.failed is None and self.stop_reason != "signal":
                 self._evaluate_missing()
         end = self.topic_end()
@@ -857,7 +874,7 @@ class Loop:
                                 restarts={n: c.restarts for n, c in self.children.items()},
                                 topic_events=sum((self.topic_end() or {}).values()))
         finally:
-            for child in self.children.values():  # anything still up (an error above): do not leave it behind
+            for child in [*self.children.values(), *self.oneshots]:  # anything still up (an error): not left behind
                 if child.poll() is None:
                     child.stop(30)
             self.stop_broker()
