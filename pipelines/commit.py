@@ -4,6 +4,7 @@ Layout under ``<out>`` for dataset version ``V = <recipe name>-<hash8>``::
 
     steps/recipe=V/domain=D/c<n>-s<k>.parquet          data (visible once committed)
     trajectories/recipe=V/domain=D/c<n>-s<k>.parquet
+    evaluations/recipe=V/domain=D/c<n>.parquet           evaluation episodes (pipelines.evaluations)
     dead_letters/recipe=V/c<n>.parquet
     _manifests/V/<n>.json                               one per commit, the commit point
     _state/norm-<recipe hash>.json                      persisted normalization statistics
@@ -401,7 +402,7 @@ def covered_offsets(manifests: list[DatasetManifest], topic: str) -> dict[int, i
 
 
 class CommittedEpisodes(msgspec.Struct, frozen=True):
-    """Episode ids in the committed trajectory files.
+    """Episode ids in the committed trajectory and evaluation files.
 
     Attributes:
         complete: written as complete episodes.
@@ -417,12 +418,17 @@ class CommittedEpisodes(msgspec.Struct, frozen=True):
 
 
 def committed_episodes(layout: DatasetLayout, manifests: list[DatasetManifest]) -> CommittedEpisodes:
-    """Episode ids in the trajectory files of ``manifests``, complete and incomplete-only."""
-    paths = [str(layout.root / f.path) for m in manifests for f in m.files if f.path.startswith("trajectories/")]
+    """Episode ids in the trajectory and evaluation files of ``manifests``, complete and incomplete-only.
+
+    Evaluation episodes (``evaluations/``) count like training episodes: a replay of their events is a duplicate.
+    """
+    paths = [str(layout.root / f.path) for m in manifests for f in m.files
+             if f.path.startswith(("trajectories/", "evaluations/"))]
     paths = [p for p in paths if Path(p).exists()]
     if not paths:
         return CommittedEpisodes()
-    table = pads.dataset(paths, format="parquet").to_table(columns=["episode_id", "complete"])
+    schema = pa.schema([("episode_id", pa.string()), ("complete", pa.bool_())])  # the columns both tables share
+    table = pads.dataset(paths, format="parquet", schema=schema).to_table(columns=["episode_id", "complete"])
     is_complete = table.column("complete")
     complete = frozenset(pc.filter(table.column("episode_id"), is_complete).to_pylist())
     seen = frozenset(pc.unique(table.column("episode_id")).to_pylist())

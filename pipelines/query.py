@@ -8,6 +8,13 @@ Views (each only if its directory exists):
 * ``dataset_dead_letters`` — messages the trajectory job quarantined.
 * ``late_events`` — events that came after their episode was written as
   incomplete (archive event schema plus ``late_reason``; pipelines/late.py).
+* ``evaluations`` — one row per finished held-out evaluation episode
+  (``purpose = "eval"``; schemas.datasets.EvaluationRow), once even when
+  several dataset versions (recipes) were written under the same root.
+* ``evaluation_pass_rates`` — per ``policy_version``, ``domain``,
+  ``difficulty``: episodes, passed, ``pass_rate``, ``mean_reward``, mean
+  tokens. Aborted episodes (stopped by a shutdown) are not attempts and are
+  left out; ``error``/``timeout`` ones count as not passed.
 
 Only committed files are read: the archive's are listed from its manifests;
 the datasets' final files only ever appear after their commit (atomic rename).
@@ -16,6 +23,7 @@ From the shell::
 
     trajpipe query --archive data/archive --data data/datasets \\
         "select domain, count(*) episodes, avg(outcome_reward) from trajectories group by domain"
+    trajpipe query --data data/datasets "select * from evaluation_pass_rates"
 
 Examples:
     >>> import duckdb
@@ -65,4 +73,24 @@ def register_views(
                 con.execute(f"create or replace view {name} as select * from "
                             f"read_parquet('{glob}', hive_partitioning=true, union_by_name=true)")
                 created.append(name)
+        root = Path(data) / "evaluations"
+        if any(root.glob("**/*.parquet")):
+            glob = str(root / "**" / "*.parquet").replace("'", "''")
+            con.execute(f"create or replace view evaluations as select * exclude (_n) from ("
+                        f"select *, row_number() over (partition by episode_id order by recipe) as _n from "
+                        f"read_parquet('{glob}', hive_partitioning=true, union_by_name=true) where complete"
+                        f") where _n = 1")
+            con.execute(_PASS_RATES)
+            created += ["evaluations", "evaluation_pass_rates"]
     return created
+
+
+_PASS_RATES = """
+create or replace view evaluation_pass_rates as
+select policy_version, domain, difficulty, count(*) as episodes, count(*) filter (where passed) as passed,
+       round(avg(passed::int), 4) as pass_rate, round(avg(outcome_reward), 4) as mean_reward,
+       round(avg(prompt_tokens), 1) as mean_prompt_tokens, round(avg(action_tokens), 1) as mean_action_tokens,
+       count(distinct eval_run) as eval_runs
+from evaluations where status <> 'aborted'
+group by all order by policy_version, domain, difficulty
+"""

@@ -43,6 +43,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
+from pipelines.evaluations import evaluation_row
 from pipelines.gcpause import gc_paused
 from pipelines.late import LateEpisode, write_late_files
 from pipelines.groups import (
@@ -64,7 +65,14 @@ from pipelines.rewards import step_passed, verification_score
 from pipelines.types import METRICS_NAMESPACE, Episode, GroupKey
 from pipelines.verify import step_disagreements
 from schemas.arrow import arrow_schema_for, events_to_table
-from schemas.datasets import StepRow, TrajectoryRow, step_file_schema, trajectory_file_schema
+from schemas.datasets import (
+    EvaluationRow,
+    StepRow,
+    TrajectoryRow,
+    evaluation_file_schema,
+    step_file_schema,
+    trajectory_file_schema,
+)
 from schemas.deadletter import DeadLetter
 
 __all__ = [
@@ -77,6 +85,7 @@ __all__ = [
     "rows_to_table",
     "final_path",
     "incomplete_path",
+    "evaluations_path",
     "stage_files",
     "StagedCommit",
     "finalize_shard",
@@ -109,6 +118,11 @@ _DEAD_LETTER_SCHEMA = arrow_schema_for(DeadLetter)
 def final_path(table: str, *, version: str, domain: str, commit: int, shard: int) -> str:
     """Path of a dataset file relative to ``<out>`` (hive keys ``recipe`` and ``domain``)."""
     return f"{table}/recipe={version}/domain={domain}/c{commit:08d}-s{shard:03d}.parquet"
+
+
+def evaluations_path(*, version: str, domain: str, commit: int) -> str:
+    """Path (relative to ``<out>``) of a commit's evaluation rows of one domain (pipelines/evaluations.py)."""
+    return f"evaluations/recipe={version}/domain={domain}/c{commit:08d}.parquet"
 
 
 def incomplete_path(*, version: str, domain: str, commit: int) -> str:
@@ -654,6 +668,17 @@ def _write_incomplete(trajs: list[TrajectoryRow], staging: str, version: str, co
         yield rel
 
 
+def _write_evaluations(rows: list[EvaluationRow], staging: str, version: str, commit: int) -> Iterator[str]:
+    by_domain: dict[str, list[EvaluationRow]] = {}
+    for row in rows:
+        by_domain.setdefault(row.domain, []).append(row)
+    for domain in sorted(by_domain):
+        ordered = sorted(by_domain[domain], key=lambda r: (r.episode_id, r.complete))
+        rel = evaluations_path(version=version, domain=domain, commit=commit)
+        write_parquet(rows_to_table(ordered, evaluation_file_schema()), Path(staging) / (rel + STAGED_SUFFIX))
+        yield rel
+
+
 def _write_dead_letters(letters: list[DeadLetter], staging: str, version: str, commit: int) -> Iterator[str]:
     if not letters:
         return
@@ -696,6 +721,7 @@ def stage_files(
     *,
     commit: int,
     episodes: Sequence[Episode] = (),
+    evaluations: Sequence[Episode] = (),
     pending: Sequence[tuple[str, list]] = (),
     dead_letters: Sequence[DeadLetter] = (),
     late: Sequence[LateEpisode] = (),
@@ -717,7 +743,9 @@ def stage_files(
         staging: ``<out>/_staging/<version>/<commit>``.
         recipe: the recipe.
         commit: the commit number (names the files).
-        episodes: complete (rewarded, clipped, not normalized) and incomplete episodes.
+        episodes: complete (rewarded, clipped, not normalized) and incomplete training episodes.
+        evaluations: evaluation episodes, complete or not (pipelines/evaluations.py): rows of
+            ``evaluations/`` only, never of the training tables or their statistics.
         pending: ``(episode_id, events)`` of open episodes.
         dead_letters: this commit's dead letters.
         late: this commit's late events and events to keep (pipelines/late.py).
@@ -761,6 +789,8 @@ def stage_files(
         files += _write_group_state(groups, staging)
         counts = groups.counts()
     files += _write_incomplete(incomplete, str(staging), recipe.version, commit)
+    files += _write_evaluations([evaluation_row(e, recipe) for e in evaluations], str(staging), recipe.version,
+                                commit)
     files += _write_dead_letters(list(dead_letters), str(staging), recipe.version, commit)
     files += _write_pending(list(pending), str(staging))
     files += _write_late(list(late), str(staging), recipe.version, commit)
@@ -775,7 +805,8 @@ class WriteDatasets(beam.PTransform):
     ``incomplete`` (Episodes with ``complete=False``), ``pending``
     (``(episode_id, events)``), ``dead_letters`` (DeadLetter), ``late``
     (:class:`~pipelines.late.LateEpisode`: the late-events table and the late
-    state; optional) and ``clock`` (one float: the run's event-time clock,
+    state; optional), ``evaluations`` (evaluation episodes, complete or not, or a
+    tuple of such PCollections; optional: the ``evaluations/`` rows) and ``clock`` (one float: the run's event-time clock,
     epoch seconds; default 0). The run's statistics come from the staged
     parts themselves.
 
@@ -881,6 +912,16 @@ class WriteDatasets(beam.PTransform):
             | "WritePending" >> beam.FlatMap(_write_pending, staging)
         )
         outputs = [data_files, incomplete_files, dead_files, pending_files, state_files]
+        if "evaluations" in pcolls:
+            evals = pcolls["evaluations"]
+            evals = tuple(evals) if isinstance(evals, (tuple, list)) else (evals,)
+            rows = [e | f"EvaluationRows{i or ''}" >> beam.Map(evaluation_row, version) for i, e in enumerate(evals)]
+            rows = rows[0] if len(rows) == 1 else tuple(rows) | "AllEvaluationRows" >> beam.Flatten()
+            outputs.append(
+                rows
+                | "CollectEvaluations" >> beam.combiners.ToList().without_defaults()
+                | "WriteEvaluations" >> beam.FlatMap(_write_evaluations, staging, version, commit)
+            )
         if "late" in pcolls:
             outputs.append(
                 pcolls["late"]

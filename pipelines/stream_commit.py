@@ -79,7 +79,7 @@ from pipelines.types import METRICS_NAMESPACE, RawRecords
 __all__ = ["CommitWindows", "CommitPending", "batch_offsets", "merge_offsets"]
 
 #: Keys of a window pane's grouped elements.
-_PARTS = ("episodes", "incomplete", "dead_letters", "late", "offsets")
+_PARTS = ("episodes", "incomplete", "evaluations", "dead_letters", "late", "offsets")
 
 
 def batch_offsets(batch: RawRecords) -> tuple[int, int, int, int]:
@@ -145,13 +145,17 @@ class _CommitPaneFn(beam.DoFn):
             # Complete rows once per episode (a late completion follows its incomplete row); incomplete ones once.
             complete = sorted((e for e in got["episodes"] if e.episode_id not in emitted), key=lambda e: e.episode_id)
             incomplete = sorted((e for e in got["incomplete"] if e.episode_id not in seen), key=lambda e: e.episode_id)
-            self._replayed.inc(len(got["episodes"]) + len(got["incomplete"]) - len(complete) - len(incomplete))
+            # Evaluation episodes (pipelines/evaluations.py) go to evaluations/ only, once each the same way.
+            evals = sorted((e for e in got["evaluations"]
+                            if e.episode_id not in (emitted if e.complete else seen)), key=lambda e: e.episode_id)
+            self._replayed.inc(len(got["episodes"]) + len(got["incomplete"]) + len(got["evaluations"])
+                               - len(complete) - len(incomplete) - len(evals))
             pending = [f for f in got["pending"] if f[0] not in seen]
             dead = got["dead_letters"]
             # Events kept for an incomplete episode go with its row; a completion's late events with its row.
             late = [i for i in got["late"] if not (i.reason is None and i.episode_id in seen)
                     and not (i.reason == "completed" and i.episode_id in emitted)]
-            if not (complete or incomplete or pending or dead or late):
+            if not (complete or incomplete or evals or pending or dead or late):
                 self._carried += got["offsets"]  # only open episodes' records, or a replayed pane
                 return None
             offsets, self._carried = self._carried + got["offsets"], []
@@ -160,25 +164,29 @@ class _CommitPaneFn(beam.DoFn):
             # An event time further ahead of the wall clock than max_future_s (a fast producer) is not news of
             # the clock: it would time out every held group and age the late state at once.
             latest = time.time() + self._max_future_s
-            times = [min(e.last_event_time.timestamp(), latest) for e in complete + incomplete]
+            times = [min(e.last_event_time.timestamp(), latest) for e in complete + incomplete + evals]
             clock_s = max([manifests[-1].clock_s if manifests else 0.0, *times])
             staged = stage_files(layout.staging(n), recipe, commit=n, episodes=complete + incomplete,
-                                 pending=pending, dead_letters=dead, late=late, prior=prior.stats,
+                                 evaluations=evals, pending=pending, dead_letters=dead, late=late, prior=prior.stats,
                                  held=held if is_window else None, clock_s=clock_s,
                                  group_timeout_s=self._timeout_s, shards=self._shards)
             # Steps written: this pane's released groups plus the held members released with them.
             steps = sum(pq.ParquetFile(layout.staging(n) / (f + STAGED_SUFFIX)).metadata.num_rows
                         for f in staged.files if f.startswith("steps/"))
-            fresh = [e for e in complete if not e.completed_late]
+            eval_done = [e for e in evals if e.complete]
+            eval_open = [e for e in evals if not e.complete]
+            fresh = [e for e in complete + eval_done if not e.completed_late]
             counts = {
                 "events_in": sum(r[3] for r in offsets), "episodes": len(fresh), "steps": steps,
-                "dead_letters": len(dead), "incomplete_episodes": len(incomplete), "pending_episodes": len(pending),
+                "dead_letters": len(dead), "incomplete_episodes": len(incomplete) + len(eval_open),
+                "pending_episodes": len(pending),
                 "events_used": sum(e.num_events for e in fresh),
-                "events_incomplete": sum(e.num_events for e in incomplete),
+                "events_incomplete": sum(e.num_events for e in incomplete + eval_open),
                 "events_pending_out": sum(len(f[1]) for f in pending),
                 "episodes_excluded": sum(not e.trainable for e in complete),
                 "late_events": sum(len(i.late) for i in late),
-                "episodes_completed_late": len(complete) - len(fresh),
+                "episodes_completed_late": len(complete) + len(eval_done) - len(fresh),
+                "evaluations": len(eval_done),
                 **staged.counts,
             }
             for k, c in self._groups.items():
@@ -208,7 +216,8 @@ class CommitWindows(beam.PTransform):
     """Window the job's outputs by event time and commit each window pane (see the module docstring).
 
     Input: a dict of PCollections — ``episodes`` (complete, rewarded and
-    clipped, not yet normalized), ``incomplete`` (Episodes), ``dead_letters``
+    clipped, not yet normalized), ``incomplete`` (Episodes), ``evaluations``
+    (evaluation episodes, complete or not: pipelines/evaluations.py), ``dead_letters``
     (DeadLetter), ``late`` (:class:`~pipelines.late.LateEpisode`) and
     ``offsets`` (:func:`batch_offsets` of every source batch).
 

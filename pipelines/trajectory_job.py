@@ -8,6 +8,7 @@ writes one dataset commit (docs/pipelines.md)::
 
     decode/read → dedupe → assemble episodes → verify steps → process rewards
     → clip trajectories → normalize by domain → <out>/steps, <out>/trajectories
+                       └→ evaluation episodes (purpose eval) → <out>/evaluations
 
 Run locally (FnApiRunner, the default for batch)::
 
@@ -52,7 +53,9 @@ The last line printed is one JSON object of counts (stream mode adds
 already used, held as rows: ``groups_held``/``episodes_held`` are what is held
 after the run, ``groups_released`` what it wrote, ``episodes_excluded`` the
 complete episodes it found untrainable; ``episodes_completed_late`` and
-``future_events`` are outside the sum).
+``future_events`` are outside the sum). ``evaluations`` counts the complete
+evaluation episodes (``purpose = "eval"``) written to ``evaluations/``; they
+are among ``episodes`` and their events among ``events_used``.
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ from pipelines.commit import (
     recover,
 )
 from pipelines.decode import DecodeAndValidate
+from pipelines.evaluations import EVAL_TAG, SplitEvaluations
 from pipelines.frames import (
     CLOCK_TAG,
     UNDECIDED_TAG,
@@ -121,7 +125,7 @@ COUNT_KEYS = (
     "events_used", "events_incomplete", "events_pending_in", "events_pending_out",
     "incomplete_episodes", "pending_episodes",
     "groups_released", "groups_held", "groups_timed_out", "episodes_held", "episodes_excluded",
-    "late_events", "episodes_completed_late", "future_events",
+    "late_events", "episodes_completed_late", "future_events", "evaluations",
 )
 _METRIC_FOR = {
     "events_in": "events_in", "episodes": "episodes_complete", "steps": "steps_written",
@@ -132,6 +136,7 @@ _METRIC_FOR = {
     "groups_timed_out": "groups_timed_out", "episodes_held": "episodes_held",
     "episodes_excluded": "episodes_excluded", "late_events": "late_events",
     "episodes_completed_late": "episodes_completed_late", "future_events": "future_events",
+    "evaluations": "evaluations",
 }
 #: Seconds an event time may run ahead of the processing time before it is *future* (``--max-future-s``).
 DEFAULT_MAX_FUTURE_S = 300.0
@@ -387,17 +392,20 @@ def run_batch(
     )
     # One chain per branch: a Flatten of Episodes would encode and decode every one of them.
     branches = [assembled["episodes"]] + ([local.episodes] if local is not None else [])
+    # Evaluation episodes leave here for the evaluations table: no rewards, groups or statistics.
+    splits = [b | f"SplitEvaluations{'Local' if i else ''}" >> SplitEvaluations() for i, b in enumerate(branches)]
+    incomplete = assembled[INCOMPLETE_TAG] | "SplitIncompleteEvaluations" >> SplitEvaluations(counter=None)
     episodes = tuple(
-        b | f"Process{'Local' if i else ''}" >> ProcessEpisodes(recipe, use_domain_verifiers=use_domain_verifiers)
-        for i, b in enumerate(branches)
+        s.train | f"Process{'Local' if i else ''}" >> ProcessEpisodes(recipe, use_domain_verifiers=use_domain_verifiers)
+        for i, s in enumerate(splits)
     )
     # Groups and normalization: the writer computes the run's group statistics from its staged rows,
     # holds groups not whole yet, and normalizes every shard with prior ⊕ the released groups'.
     dead = (read[DEAD_LETTER_TAG], assembled[DEAD_LETTER_TAG]) | "AllDeadLetters" >> beam.Flatten()
     _ = {
-        "episodes": episodes, "incomplete": assembled[INCOMPLETE_TAG],
+        "episodes": episodes, "incomplete": incomplete.train,
         "pending": assembled[PENDING_TAG], "dead_letters": dead, "clock": assembled[CLOCK_TAG],
-        "late": assembled[LATE_TAG],
+        "late": assembled[LATE_TAG], "evaluations": (*(s[EVAL_TAG] for s in splits), incomplete[EVAL_TAG]),
     } | "WriteDatasets" >> WriteDatasets(staging, recipe, commit=commit, shards=shards, prior=prior.stats,
                                          held=held, group_timeout_s=group_timeout_s)
     result = p.run()
@@ -610,10 +618,13 @@ def run_stream(
                                                          end_of_input_lag_s=idle_watermark_lag_s if stop_file
                                                          else None)
     )
-    episodes = assembled.episodes | "Process" >> ProcessEpisodes(recipe, use_domain_verifiers=use_domain_verifiers)
+    split = assembled.episodes | "SplitEvaluations" >> SplitEvaluations()
+    incomplete = assembled[INCOMPLETE_TAG] | "SplitIncompleteEvaluations" >> SplitEvaluations(counter=None)
+    episodes = split.train | "Process" >> ProcessEpisodes(recipe, use_domain_verifiers=use_domain_verifiers)
+    evaluations = (split[EVAL_TAG], incomplete[EVAL_TAG]) | "AllEvaluations" >> beam.Flatten()
     dead = (decoded[DEAD_LETTER_TAG], assembled[DEAD_LETTER_TAG]) | "AllDeadLetters" >> beam.Flatten()
     _ = {
-        "episodes": episodes, "incomplete": assembled[INCOMPLETE_TAG], "dead_letters": dead,
+        "episodes": episodes, "incomplete": incomplete.train, "dead_letters": dead, "evaluations": evaluations,
         "late": assembled[LATE_TAG], "offsets": batches | "BatchOffsets" >> beam.Map(batch_offsets),
     } | "CommitWindows" >> CommitWindows(out, recipe, topic=topic, window_s=window_s,
                                          allowed_lateness_s=allowed_lateness_s, shards=shards,

@@ -29,7 +29,16 @@ import msgspec
 import numpy as np
 
 from schemas.datasets import Verification
-from schemas.events import JUDGED_TERMINATIONS, EpisodeFinished, EpisodeStarted, Feedback, SamplingParams, Step, termination_of
+from schemas.events import (
+    JUDGED_TERMINATIONS,
+    PURPOSE_TRAIN,
+    EpisodeFinished,
+    EpisodeStarted,
+    Feedback,
+    SamplingParams,
+    Step,
+    termination_of,
+)
 
 __all__ = [
     "RawRecords",
@@ -215,6 +224,11 @@ class Episode(msgspec.Struct, kw_only=True, gc=False):
     def policy_lineage(self) -> str:
         """Lineage of the behaviour policy (empty: base model or unknown)."""
         return self.started.policy_lineage if self.started is not None else ""
+
+    @property
+    def purpose(self) -> str:
+        """``EpisodeStarted.purpose``: ``train``, or ``eval`` for a held-out evaluation (``train`` when missing)."""
+        return self.started.purpose if self.started is not None else PURPOSE_TRAIN
 
     @property
     def group_key(self) -> GroupKey:

@@ -48,6 +48,7 @@ from rollout.sandbox import SandboxError
 from schemas.events import (
     EpisodeFinished,
     EpisodeStarted,
+    PURPOSE_TRAIN,
     EpisodeStatus,
     Event,
     Step,
@@ -107,6 +108,7 @@ def run_episode(
     group_member: int = 0,
     sample: str = "",
     episode_timeout_s: float | None = None,
+    purpose: str = PURPOSE_TRAIN,
 ) -> EpisodeSummary:
     """Run ``policy`` on ``task`` in ``env`` and emit the episode's events through ``emit``.
 
@@ -125,6 +127,7 @@ def run_episode(
             round, member, attempt), so group members draw different actions.
         episode_timeout_s: wall-clock budget; checked between steps (each step is
             bounded by the environment's own command timeouts).
+        purpose: ``EpisodeStarted.purpose``: ``train`` or ``eval`` (a held-out evaluation).
 
     Returns:
         The :class:`EpisodeSummary`.
@@ -157,7 +160,8 @@ def run_episode(
         prompt, status, error, env_error = task.prompt, EpisodeStatus.ERROR, f"reset failed: {err}", True
     _emit(EpisodeStarted, task_spec=dump_json(task.spec), env_config=dump_json(env.config()),
           difficulty=task.difficulty, prompt=prompt, sampling=policy.sampling, task_group=task_group,
-          group_size=group_size, group_member=group_member, policy_lineage=getattr(policy, "policy_lineage", ""))
+          group_size=group_size, group_member=group_member, policy_lineage=getattr(policy, "policy_lineage", ""),
+          purpose=purpose)
 
     chat = getattr(policy, "chat", None)
     tokens = TokenContext(chat, max_prompt_tokens=policy.max_prompt_tokens) if chat is not None else None

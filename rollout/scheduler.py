@@ -40,6 +40,12 @@ something to compare): members ``0..size-1`` of round ``r`` (a counter of the
 groups this scheduler formed). Each member is reported on its own. A retry
 (after a timeout or error) runs alone: its group already closed without it.
 
+**Held-out tasks.** Tasks of the evaluation namespace
+(:mod:`rollout.heldout`) are never handed out: a fresh draw that generates
+one (same content as a held-out task) is skipped for the next index,
+:meth:`TaskScheduler.submit` refuses one, and negative seeds (the evaluation
+namespace) are refused.
+
 **State.** Everything dynamic (levels, pass rates, breakers, queues, in-flight
 tickets, counters, RNG) is saved to ``state_path`` as JSON by write-to-temp +
 fsync + rename; a restarted scheduler resumes, re-queueing tickets that were in
@@ -62,6 +68,7 @@ from typing import Callable, Literal
 import msgspec
 
 from rollout.envs.base import Task
+from rollout.heldout import is_heldout
 
 __all__ = [
     "SchedulerConfig",
@@ -75,6 +82,8 @@ ResultStatus = Literal["success", "failure", "timeout", "error"]
 STATE_VERSION = 2
 #: State files this code still reads (version 1 has no group rounds).
 _READABLE_STATE_VERSIONS = (1, 2)
+#: Consecutive held-out tasks a fresh draw skips before it gives up.
+_MAX_HELDOUT_SKIPS = 1000
 
 
 @dataclass(frozen=True)
@@ -98,7 +107,8 @@ class SchedulerConfig:
         backoff_max_s: cap on the retry delay, seconds.
         breaker_threshold: consecutive env failures that open a domain's breaker.
         breaker_cooldown_s: seconds an open breaker waits before half-opening.
-        seed: seed of draws, task indices and jitter.
+        seed: seed of draws, task indices and jitter; >= 0 (negative seeds are the
+            held-out evaluation namespace, :data:`rollout.heldout.EVAL_SEED`).
     """
 
     domain_weights: dict[str, float]
@@ -130,6 +140,9 @@ class SchedulerConfig:
             raise ValueError(f"need 0 <= demote_at < promote_at <= 1, got {self.demote_at}, {self.promote_at}")
         if self.max_retries < 0 or self.breaker_threshold < 1 or self.min_attempts < 1:
             raise ValueError("`max_retries` must be >= 0, `breaker_threshold` and `min_attempts` >= 1")
+        if self.seed < 0:
+            raise ValueError(f"`seed` must be >= 0 (negative seeds are the held-out evaluation namespace), "
+                             f"got {self.seed}")
         if self.task_pool < 0:
             raise ValueError(f"`task_pool` must be >= 0 (0: no pool), got {self.task_pool}")
         if not 0 < self.ema_alpha <= 1 or not 0 <= self.review_fraction < 1:
@@ -327,10 +340,13 @@ class TaskScheduler:
         """Queue a specific task; submitted tasks run before fresh draws, highest priority first.
 
         Raises:
-            ValueError: the task's domain is not scheduled.
+            ValueError: the task's domain is not scheduled, or it is a held-out evaluation task.
         """
         if task.domain not in self._index:
             raise ValueError(f"task domain {task.domain!r} is not in `domain_weights`")
+        if is_heldout(task):
+            raise ValueError(f"task {task.task_id} is a held-out evaluation task (rollout.heldout); "
+                             "training never runs it: evaluate with `trajpipe eval`")
         item = ScheduledTask(ticket=0, task=task, priority=priority, timeout_s=self.config.task_timeout_s)
         self._seq += 1
         heapq.heappush(self._submitted, (-priority, self._seq, item))
@@ -409,8 +425,14 @@ class TaskScheduler:
         if level > 0 and self._rng.random() < self.config.review_fraction:
             level = self._rng.randrange(level)
         pool = self.config.task_pool
-        task = self._factory(domain, level, st.next_index % pool if pool else st.next_index)
-        st.next_index += 1
+        for _ in range(_MAX_HELDOUT_SKIPS):
+            task = self._factory(domain, level, st.next_index % pool if pool else st.next_index)
+            st.next_index += 1
+            if not is_heldout(task):
+                break
+        else:
+            raise RuntimeError(f"{domain} level {level}: {_MAX_HELDOUT_SKIPS} draws in a row were held-out "
+                               "evaluation tasks; the task space is too small to train on apart from them")
         return self._issue(ScheduledTask(ticket=0, task=task, timeout_s=self.config.task_timeout_s), now)
 
     def next_group(self, size: int) -> list[ScheduledTask]:

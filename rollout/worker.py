@@ -46,6 +46,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 
@@ -54,7 +55,16 @@ from rollout.episode import EpisodeSummary, run_episode
 from rollout.policies.base import Action, Policy, PolicyContext
 from rollout.reload import PolicyFollower, reload_policy
 from rollout.scheduler import ScheduledTask, SchedulerConfig, TaskScheduler
-from schemas.events import EpisodeFinished, EpisodeStatus, Event, Step, Termination, make_event_id
+from schemas.events import (
+    PURPOSE_TRAIN,
+    PURPOSES,
+    EpisodeFinished,
+    EpisodeStatus,
+    Event,
+    Step,
+    Termination,
+    make_event_id,
+)
 
 __all__ = [
     "DomainCounts",
@@ -63,6 +73,7 @@ __all__ = [
     "RolloutConfig",
     "RolloutCounts",
     "RolloutWorker",
+    "TaskSource",
     "make_scheduler",
 ]
 
@@ -93,6 +104,8 @@ class RolloutConfig:
             next policy call before they are closed as ``aborted`` regardless.
         group_size: episodes per task run together as one GRPO group (the last group
             of a run is smaller when ``episodes`` is not a multiple).
+        purpose: ``EpisodeStarted.purpose`` of every episode: ``train``, or ``eval`` for
+            held-out evaluations (:mod:`rollout.evaluate`).
     """
 
     episodes: int
@@ -103,8 +116,11 @@ class RolloutConfig:
     episode_timeout_s: float | None = None
     shutdown_timeout_s: float = 60.0
     group_size: int = 1
+    purpose: str = PURPOSE_TRAIN
 
     def __post_init__(self) -> None:
+        if self.purpose not in PURPOSES:
+            raise ValueError(f"`purpose` must be one of {', '.join(PURPOSES)}, got {self.purpose!r}")
         if self.episodes < 0:
             raise ValueError(f"`episodes` must be >= 0, got {self.episodes}")
         if self.group_size < 1:
@@ -209,6 +225,16 @@ def make_scheduler(domains: list[str], *, seed: int = 0, adaptive: bool = True, 
                                          task_pool=task_pool), state_path=state_path)
 
 
+class TaskSource(Protocol):
+    """Where a worker gets its tasks: :class:`rollout.scheduler.TaskScheduler`, or a fixed list
+    (:class:`rollout.evaluate.HeldoutTaskSource`)."""
+
+    def next_group(self, size: int) -> list[ScheduledTask]: ...
+
+    def report(self, ticket: int | ScheduledTask, *, status: str, reward: float = 0.0,
+               env_error: bool = False) -> None: ...
+
+
 class _AbortablePolicy:
     """Wraps a policy for one episode: raises :class:`EpisodeAborted` once either event is set."""
 
@@ -280,7 +306,8 @@ class RolloutWorker:
         policy: the policy (any :class:`rollout.policies.base.Policy`).
         emit: called with every event, from episode threads (must be thread-safe).
         config: the run's settings.
-        scheduler: task source (default: :func:`make_scheduler` needs ``domains``).
+        scheduler: task source, usually a :class:`TaskScheduler` (default: :func:`make_scheduler`
+            needs ``domains``).
         domains: domains for the default scheduler.
         seed: seed of the default scheduler.
         follower: follows published policy versions (None: the version never changes).
@@ -288,7 +315,7 @@ class RolloutWorker:
     """
 
     def __init__(self, policy: Policy, *, emit: Callable[[Event], None], config: RolloutConfig,
-                 scheduler: TaskScheduler | None = None, domains: list[str] | None = None, seed: int = 0,
+                 scheduler: TaskSource | None = None, domains: list[str] | None = None, seed: int = 0,
                  follower: PolicyFollower | None = None,
                  on_episode: Callable[[EpisodeResult, RolloutCounts], None] | None = None) -> None:
         if scheduler is None:
@@ -435,7 +462,7 @@ class RolloutWorker:
                 env, _AbortablePolicy(policy, self._abort, self._stop), task, episode_id=episode_id,
                 producer_id=self.config.producer_id, max_steps=self.config.max_steps, emit=emitter,
                 task_group=group, group_size=item.group_size, group_member=item.member, sample=item.sample,
-                episode_timeout_s=self.config.episode_timeout_s or item.timeout_s,
+                episode_timeout_s=self.config.episode_timeout_s or item.timeout_s, purpose=self.config.purpose,
             )
             return EpisodeResult(**base, status=summary.status, reward=summary.reward,
                                  num_events=summary.num_events, env_error=summary.env_error)

@@ -1,4 +1,4 @@
-"""Row types of the training datasets the trajectory job writes (``steps/``, ``trajectories/``).
+"""Row types of the datasets the trajectory job writes (``steps/``, ``trajectories/``, ``evaluations/``).
 
 The trainer reads the datasets through these classes; the Parquet schemas are
 derived from them with :func:`schemas.arrow.arrow_schema_for` (see
@@ -6,6 +6,7 @@ derived from them with :func:`schemas.arrow.arrow_schema_for` (see
 
     <out>/steps/recipe=<name>-<hash8>/domain=<domain>/c<commit>-s<shard>.parquet
     <out>/trajectories/recipe=<name>-<hash8>/domain=<domain>/c<commit>-s<shard>.parquet
+    <out>/evaluations/recipe=<name>-<hash8>/domain=<domain>/c<commit>.parquet
 
 ``recipe`` and ``domain`` are **hive partition keys only**: they are fields
 of the row classes (so a reader gets them back) but are not stored inside the
@@ -35,8 +36,10 @@ __all__ = [
     "Verification",
     "StepRow",
     "TrajectoryRow",
+    "EvaluationRow",
     "step_file_schema",
     "trajectory_file_schema",
+    "evaluation_file_schema",
 ]
 
 #: Version of the dataset row layout; recorded in every commit manifest.
@@ -248,6 +251,64 @@ class TrajectoryRow(msgspec.Struct, kw_only=True, gc=False):
     last_event_time: datetime
 
 
+class EvaluationRow(msgspec.Struct, kw_only=True, gc=False):
+    """One held-out evaluation episode (``EpisodeStarted.purpose == "eval"``): the ``evaluations/`` table.
+
+    Evaluation episodes are never training data: the trajectory job writes them
+    here only, never to ``steps/`` or ``trajectories/`` nor into their group or
+    normalization statistics. Like ``trajectories/``, a commit may write an
+    episode that has not finished (a worker died) as ``complete = False``; if
+    late events finish it, a later commit writes its complete row
+    (``completed_late``). The ``evaluations`` query view keeps complete rows.
+
+    Attributes:
+        episode_id: the episode.
+        domain: environment domain. Partition key: not stored in the file.
+        recipe: dataset version of the job that wrote it. Partition key: not stored in the file.
+        task_id: the held-out task (rollout.heldout).
+        difficulty: the task's level.
+        policy_version: the policy version evaluated.
+        policy_lineage: its lineage.
+        eval_run: the evaluation run (one ``trajpipe eval`` of one version), from ``task_group``
+            ``<task_id>@v<version>#<eval_run>.<n>``; empty if the group id has another form.
+        passed: the episode ended with status ``success``.
+        outcome_reward: the environment's outcome reward in [0, 1] (0 when not judged).
+        status: ``success``, ``failure``, ``timeout``, ``error``, ``aborted``; ``incomplete`` if unfinished.
+        termination: why it stopped (``done``, ``max_steps``, ``timeout``, ``error``, ``aborted``; empty if unfinished).
+        complete: the episode's events are all there (started, gap-free, finished).
+        completed_late: an earlier commit wrote it incomplete; late events finished it.
+        num_steps: ``step`` events of the episode.
+        prompt_tokens: sum over its steps of the prompt tokens the policy consumed.
+        action_tokens: sum over its steps of the tokens the policy generated.
+        temperature: sampling temperature of the evaluation (0: greedy, pass@1).
+        producer_id: the evaluator process that emitted it.
+        started_time: ``episode_started`` event time (UTC; the first event time if missing).
+        event_time: ``episode_finished`` event time (UTC; the last event time if unfinished).
+    """
+
+    episode_id: str
+    domain: str
+    recipe: str
+    task_id: str
+    difficulty: int
+    policy_version: int
+    policy_lineage: str
+    eval_run: str
+    passed: bool
+    outcome_reward: float
+    status: str
+    termination: str
+    complete: bool
+    completed_late: bool
+    num_steps: int
+    prompt_tokens: int
+    action_tokens: int
+    temperature: float
+    producer_id: str
+    started_time: datetime
+    event_time: datetime
+
+
 def step_file_schema() -> pa.Schema:
     """Arrow schema of a ``steps/`` Parquet file (StepRow minus the partition keys)."""
     return _STEP_SCHEMA
@@ -258,13 +319,19 @@ def trajectory_file_schema() -> pa.Schema:
     return _TRAJ_SCHEMA
 
 
-def _derive() -> tuple[pa.Schema, pa.Schema]:
+def evaluation_file_schema() -> pa.Schema:
+    """Arrow schema of an ``evaluations/`` Parquet file (EvaluationRow minus the partition keys)."""
+    return _EVAL_SCHEMA
+
+
+def _derive() -> tuple[pa.Schema, pa.Schema, pa.Schema]:
     from schemas.arrow import arrow_schema_for  # schemas.arrow imports schemas.events only
 
     return (
         arrow_schema_for(StepRow, exclude=PARTITION_KEYS),
         arrow_schema_for(TrajectoryRow, exclude=PARTITION_KEYS),
+        arrow_schema_for(EvaluationRow, exclude=PARTITION_KEYS),
     )
 
 
-_STEP_SCHEMA, _TRAJ_SCHEMA = _derive()
+_STEP_SCHEMA, _TRAJ_SCHEMA, _EVAL_SCHEMA = _derive()

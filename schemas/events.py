@@ -37,6 +37,9 @@ __all__ = [
     "Termination",
     "JUDGED_TERMINATIONS",
     "SamplingParams",
+    "PURPOSES",
+    "PURPOSE_TRAIN",
+    "PURPOSE_EVAL",
     "Event",
     "EpisodeStarted",
     "Step",
@@ -54,7 +57,14 @@ __all__ = [
 #: Version of the event model this code writes. Bump it (and run
 #: ``python -m schemas.evolution --record``) whenever a field is added; see
 #: docs/schema-evolution.md for the rules.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+
+#: ``EpisodeStarted.purpose`` of an episode whose data may be trained on (the default).
+PURPOSE_TRAIN = "train"
+#: ``EpisodeStarted.purpose`` of a held-out evaluation episode: never trained on, never in dataset statistics.
+PURPOSE_EVAL = "eval"
+#: The documented values of ``EpisodeStarted.purpose``; any other value is rejected (dead-lettered).
+PURPOSES = (PURPOSE_TRAIN, PURPOSE_EVAL)
 
 
 class TokenIds(np.ndarray):
@@ -239,6 +249,13 @@ class EpisodeStarted(Event, tag="episode_started"):
         policy_lineage: lineage of the acting policy: the id of the chain of
             published versions it belongs to (empty: the base model or unknown).
             Staleness is measured only within one lineage.
+        purpose: why the episode ran: ``"train"`` (experience to learn from)
+            or ``"eval"`` (a held-out evaluation of a policy version: its steps
+            never reach the training datasets or their statistics, only the
+            ``evaluations`` table). Events written before schema version 3
+            have no field and read as ``"train"``. Evaluation episodes have
+            ``group_size`` 1 and ``task_group`` ``<task_id>@v<version>#<eval
+            run>.<n>``.
     """
 
     task_spec: str
@@ -250,6 +267,13 @@ class EpisodeStarted(Event, tag="episode_started"):
     group_size: int = 0
     group_member: int = 0
     policy_lineage: str = ""
+    purpose: str = PURPOSE_TRAIN
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.purpose not in PURPOSES:
+            # An unknown purpose must not be read as "train": the event goes to the dead letters.
+            raise ValueError(f"`purpose` must be one of {', '.join(PURPOSES)}, got {self.purpose!r}")
 
 
 class Step(Event, tag="step"):

@@ -101,6 +101,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from schemas.datasets import step_file_schema
+from schemas.events import PURPOSE_EVAL
 
 __all__ = [
     "MANIFEST_DIR",
@@ -758,6 +759,24 @@ class _UnitRows:
     episodes: list[tuple[int, int]] = field(default_factory=list)  # row ranges, in packing (shuffled) order
 
 
+def _drop_eval_rows(frag: ds.Fragment, table: pa.Table, where: str) -> pa.Table:
+    """``table`` without rows whose ``purpose`` is ``eval``, when the file has such a column.
+
+    The trajectory job never writes evaluation episodes to ``steps/`` (they go to
+    ``evaluations/``, pipelines/evaluations.py); this guards against a file that
+    does anyway (another writer, a hand-made dataset): held-out tasks are never trained on.
+    """
+    if "purpose" not in frag.physical_schema.names:
+        return table
+    keep = pc.fill_null(pc.not_equal(frag.to_table(columns=["purpose"]).column(0), PURPOSE_EVAL), True)
+    dropped = table.num_rows - pc.sum(keep.cast(pa.int64())).as_py()
+    if dropped:
+        log.warning("%s: dropped %d rows of evaluation episodes (purpose=eval); they are never trained on",
+                    where, dropped)
+        table = table.filter(keep)
+    return table
+
+
 def _episode_blocks(table: pa.Table, where: str) -> list[tuple[int, int]]:
     """Row ranges of the unit's episodes, checked to hold steps ``0..num_steps-1`` in order.
 
@@ -1015,7 +1034,7 @@ class TrajectoryStream(IterableDataset):
     def _read_unit(self, unit: _Unit, epoch: int) -> _UnitRows:
         where = f"{unit.file} (row group {unit.row_group})"
         frag = _FORMAT.make_fragment(str(self.data_dir / unit.file), filesystem=_LOCAL_FS, row_groups=[unit.row_group])
-        table = frag.to_table(schema=step_file_schema(), columns=_COLUMNS)
+        table = _drop_eval_rows(frag, frag.to_table(schema=step_file_schema(), columns=_COLUMNS), where)
         episodes = _episode_blocks(table, where)
         if self.shuffle and len(episodes) > 1:
             episodes = [episodes[i] for i in _rng(self.seed, epoch, unit.key()).permutation(len(episodes))]

@@ -54,6 +54,7 @@ USER_ERRORS: frozenset[tuple[str, str]] = frozenset({
     ("streams.producer", "SpoolError"),
     ("rollout.sandbox", "SandboxError"),
     ("rollout.context", "ChatTemplateError"),
+    ("rollout.evaluate", "EvalError"),
     ("trajpipe.cli", "CommandLineError"),  # and ModelDirError
 })
 #: Built-in exceptions that, escaping a command, come from a path given on the command line.
@@ -669,6 +670,8 @@ def rollout(
               f"`trajpipe model init-tiny --out {model}`")
     if group_size < 1:
         _fail(f"`--group-size` must be >= 1, got {group_size}")
+    if seed < 0:
+        _fail(f"`--seed` must be >= 0 (negative seeds are the held-out evaluation tasks), got {seed}")
     if task_pool < 0:
         _fail(f"`--task-pool` must be >= 0 (0: always new tasks), got {task_pool}")
     if scheduler_state is not None and scheduler_state.is_dir():
@@ -748,6 +751,36 @@ def rollout(
         typer.echo(f"{counts.stuck} episodes were stuck at shutdown (closed as aborted); exiting", err=True)
         sys.stderr.flush()
         os._exit(3)
+
+
+@app.command("eval")
+def eval_(
+    policy_version: Annotated[Optional[str], typer.Option(
+        "--policy-version", help="version published on the control topic, or `latest`")] = None,
+    model: Annotated[Optional[Path], typer.Option(help="evaluate this model directory instead")] = None,
+    policy: Annotated[str, typer.Option(help="hf | vllm")] = "hf",
+    domains: Annotated[str, typer.Option(help="comma-separated domains")] = "math,code",
+    levels: Annotated[str, typer.Option(help="comma-separated difficulty levels")] = "0",
+    tasks_per_level: Annotated[int, typer.Option("--tasks-per-level", help="held-out tasks per domain and level")
+                               ] = 8,
+    max_steps: Annotated[int, typer.Option("--max-steps", help="steps per episode")] = 8,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="new tokens per action")] = 64,
+    temperature: Annotated[float, typer.Option(help="sampling temperature; 0 = greedy (pass@1)")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="nucleus mass")] = 1.0,
+    seed: Annotated[int, typer.Option(help="sampling seed (temperature > 0)")] = 0,
+    concurrency: Annotated[int, typer.Option(help="episodes in flight")] = 4,
+    follow: Annotated[bool, typer.Option("--follow", help="evaluate every newly published version until stopped")
+                      ] = False,
+    bootstrap: BootstrapOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Evaluate a policy version on the held-out tasks; episodes go to the log marked purpose=eval."""
+    from trajpipe.evaluation import run_eval
+
+    run_eval(bootstrap=bootstrap, config=config, policy_version=policy_version, model=model, policy=policy,
+             domains=domains, levels=levels, tasks_per_level=tasks_per_level, max_steps=max_steps,
+             max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, concurrency=concurrency,
+             follow=follow)
 
 
 @audit_app.command("logprobs")
