@@ -313,6 +313,7 @@ class Child:
     exits: list[int] = field(default_factory=list)
     stopping: bool = False
     argv_on_restart: Callable[[], list[str]] | None = None
+    spool: Path | None = None  # its producer spool (TRAJPIPE_SPOOL_DIR)
 
     def start(self, env: dict[str, str]) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -321,7 +322,9 @@ class Child:
         err.write(f"\n==== {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} $ {' '.join(self.argv)}\n".encode())
         err.flush()
         # Own session: a Ctrl-C at the terminal reaches the loop only, which stops the children in order.
-        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
+        # Own spool dir: two producers may not share one (and never the caller's working directory).
+        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                     env={**env, **({"TRAJPIPE_SPOOL_DIR": str(self.spool)} if self.spool else {})},
                                      start_new_session=True)
         err.close()
         if out is not err:
@@ -554,6 +557,8 @@ class Loop:
                   "--tasks-per-level", str(e.tasks_per_level), "--max-steps", str(e.max_steps or r.max_steps),
                   "--max-tokens", str(e.max_tokens or r.max_tokens), "--temperature", str(e.temperature)]
             self.children["evaluator"] = Child("evaluator", _trajpipe(*ev), p.logs / "evaluator.log", stdout=p.evals)
+        for child in self.children.values():
+            child.spool = p.spool(child.name)
 
     def recipe_version(self) -> str:
         from pipelines.recipes import RecipeError, load_recipe
@@ -579,7 +584,8 @@ class Loop:
             argv = [a for a in evaluator.argv if a != "--follow"]
             i = argv.index("--policy-version")
             argv[i:i + 2] = ["--model", str(self.model)]
-            baseline = Child("eval-warm-start", argv, evaluator.log, stdout=self.paths.evals)
+            baseline = Child("eval-warm-start", argv, evaluator.log, stdout=self.paths.evals,
+                             spool=self.paths.spool("eval-warm-start"))
             baseline.start(self.env)
             self.oneshots.append(baseline)
             self.echo(f"loop: evaluating the warm start v{self.state['start_version']} (pid {baseline.pid})")
@@ -784,7 +790,8 @@ class Loop:
                 continue
             argv = [a for a in evaluator.argv if a != "--follow"]
             argv[argv.index("--policy-version") + 1] = str(version)
-            one = Child(f"eval-v{version}", argv, evaluator.log, stdout=self.paths.evals)
+            one = Child(f"eval-v{version}", argv, evaluator.log, stdout=self.paths.evals,
+                        spool=self.paths.spool(f"eval-v{version}"))
             one.start(self.env)
             if one.wait(max(1.0, deadline - time.monotonic())) is None:
                 one.stop(30)
@@ -938,6 +945,7 @@ def run_loop(cfg: LoopConfig, *, resume: bool, echo: Callable[[str], None]) -> d
     Raises:
         LoopConfigError: the run dir cannot be used, the model is not a model, the broker does not start.
     """
+    logging.getLogger("kafka").setLevel(logging.ERROR)  # the progress reader's client: its warnings are noise here
     loop = Loop(cfg, resume=resume, echo=echo)
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     for s in previous:
