@@ -7,7 +7,8 @@ Same recipe → same per-step ``reward``, ``return_to_go``, ``advantage``,
 ``excluded_reason``, ``group_members``, ``group_timed_out`` and
 ``steps_passed``, as the Beam job for complete episodes written by one run on
 a fresh dataset root (no prior statistics, no held state); like the job it
-writes a ``steps`` and a ``trajectories`` table. The semantics it implements:
+writes a ``steps`` and a ``trajectories`` table, without the evaluation
+episodes (``purpose = "eval"``). The semantics it implements:
 
 * only judged episodes (``termination`` ``done``/``max_steps``, >= 1 step)
   are trainable; the others get zero credit and enter no statistics;
@@ -76,6 +77,9 @@ def compute_polars(files: Sequence[str | Path], recipe: Recipe, *,
     ev = (pl.read_parquet([str(f) for f in files]).unique(subset=["event_id"], keep="first", maintain_order=True)
           .sort("episode_id", "seq"))
     status = _first("episode_finished", "status")
+    # Evaluation episodes (purpose eval) are in neither table; archives before schema 3 have no purpose.
+    has_purpose = "purpose" in {f.name for f in ev.schema["episode_started"].fields}
+    purpose = _first("episode_started", "purpose") if has_purpose else pl.lit("train")
     per_ep = ev.group_by("episode_id").agg(
         n=pl.len(), max_seq=pl.col("seq").max(),
         first_event_time=pl.col("event_time").min(), last_event_time=pl.col("event_time").max(),
@@ -93,8 +97,10 @@ def compute_polars(files: Sequence[str | Path], recipe: Recipe, *,
                                 status.replace_strict({"timeout": "timeout", "error": "error", "aborted": "aborted"},
                                                       default="done")),
         n_steps=(pl.col("event_type") == "step").sum(),
+        purpose=purpose,
     ).filter(
         pl.col("started") & pl.col("finished") & (pl.col("max_seq") == pl.col("n") - 1)
+        & (pl.col("purpose").fill_null("train") != "eval")
     ).with_columns(
         task_group=pl.coalesce(pl.col("task_group").replace("", None), pl.col("task_id")),
         judged=pl.col("termination").is_in(["done", "max_steps"]),

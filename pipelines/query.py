@@ -3,6 +3,8 @@
 Views (each only if its directory exists):
 
 * ``events`` — the event archive (one row per event; ``step.action_text``, ...).
+  Fields added by later schema versions are null in older files:
+  ``coalesce(episode_started.purpose, 'train')``.
 * ``steps`` / ``trajectories`` — the datasets, every recipe version
   (``recipe`` and ``domain`` come from the hive partition keys).
 * ``dataset_dead_letters`` — messages the trajectory job quarantined.
@@ -61,8 +63,10 @@ def register_views(
     if archive is not None:
         files = committed_files(Path(archive))
         if files:
+            # union_by_name: files of older schema versions lack newer struct fields (e.g. episode_started.purpose,
+            # schema 3); by name, those read as null instead of the first file's schema hiding them everywhere.
             con.execute(f"create or replace view events as select * from read_parquet({_list(files)}, "
-                        "hive_partitioning=true)")
+                        "hive_partitioning=true, union_by_name=true)")
             created.append("events")
     if data is not None:
         for name, sub in (("steps", "steps"), ("trajectories", "trajectories"),

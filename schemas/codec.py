@@ -192,7 +192,7 @@ def encode_event(event: Event, *, max_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> b
         >>> buf = encode_event(Feedback(event_id="f1", episode_id="ep1", seq=4, producer_id="ui",
         ...                             domain="code", task_id="t7", source="reviewer", rating=0.5))
         >>> buf[:2], peek_header(buf)
-        (b'TJ', ('feedback', 2))
+        (b'TJ', ('feedback', 3))
     """
     code = TYPE_CODES.get(type(event).event_type)
     if code is None or _CODE_TO_CLASS[code] is not type(event):
@@ -327,7 +327,7 @@ def kafka_headers(event: Event) -> list[tuple[str, bytes]]:
         >>> from schemas.events import PolicyPublished
         >>> kafka_headers(PolicyPublished(event_id="p", episode_id="policy-3", seq=0, producer_id="trainer",
         ...                               domain="*", task_id="-", version=3, location="/policies/3"))
-        [('trajpipe-schema', b'policy_published'), ('trajpipe-schema-version', b'2')]
+        [('trajpipe-schema', b'policy_published'), ('trajpipe-schema-version', b'3')]
     """
     return [
         ("trajpipe-schema", event.event_type.encode()),

@@ -155,3 +155,20 @@ def test_query_views_evaluations_and_pass_rates(mixed, tmp_path):
     con2 = duckdb.connect()
     register_views(con2, data=twin)
     assert con2.execute("select count(*) from evaluations").fetchone() == (8,)
+
+
+def test_the_polars_reference_leaves_eval_episodes_out_too(mixed):
+    import polars as pl
+
+    from pipelines.archive_source import list_archive_files
+    from pipelines.polars_ref import compute_polars
+
+    out, _, _, train, _, both = mixed
+    recipe = load_recipe("outcome")
+    ref_steps, ref_trajs = compute_polars([f.path for f in list_archive_files(both)], recipe)
+    ours = pl.read_parquet(f"{out}/steps/**/*.parquet", hive_partitioning=True)
+    cols = ["episode_id", "step_index", "normalized_advantage"]
+    ours, ref = ours.select(cols).sort(cols[:2]), ref_steps.select(cols).sort(cols[:2])
+    assert ours.select(cols[:2]).equals(ref.select(cols[:2]))
+    assert (ours["normalized_advantage"] - ref["normalized_advantage"]).abs().max() < 1e-9
+    assert set(ref_trajs["episode_id"]) == {ep[0].episode_id for ep in train}
