@@ -123,7 +123,7 @@ def _topic_events(bootstrap: str) -> list[dict]:
 @pytest.mark.timeout(2400)
 def test_loop_kill9_each_part_then_resume_loses_nothing(tmp_path: Path) -> None:
     tiny = tmp_path / "tiny"
-    assert _trajpipe("model", "init-tiny", "--out", str(tiny), cwd=tmp_path).returncode == 0
+    assert _trajpipe("model", "init-tiny", "--out", str(tiny), cwd=tmp_path, timeout=900).returncode == 0
     run = tmp_path / "run"
     cfg = _write_config(tmp_path / "loop.yaml", run_dir=str(run), model=str(tiny), **{
         "budget.policy_versions": 4, "budget.seconds": 1800, "broker.keep_running": True,
