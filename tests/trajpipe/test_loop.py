@@ -129,6 +129,7 @@ def test_loop_kill9_each_part_then_resume_loses_nothing(tmp_path: Path) -> None:
         "budget.policy_versions": 4, "budget.seconds": 1800, "broker.keep_running": True,
         "restarts.max_per_child": 2})
     bootstrap = ""
+    proc: subprocess.Popen | None = None
     try:
         # 1. SIGKILL each part in turn once training runs: the loop restarts it from its durable state.
         proc = _start_loop(cfg, tmp_path)
@@ -192,5 +193,11 @@ def test_loop_kill9_each_part_then_resume_loses_nothing(tmp_path: Path) -> None:
         assert finished - in_data <= held, sorted(finished - in_data - held)[:5]
         assert len(finished) > 20
     finally:
+        if proc is not None and proc.poll() is None:  # a failed wait: stop the loop (and its children) cleanly
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         subprocess.run([sys.executable, "-m", "trajpipe", "broker", "stop", "--data-dir", str(run / "broker")],
                        env=ENV, capture_output=True, timeout=120)
