@@ -369,11 +369,16 @@ def _trajpipe(*args: str) -> list[str]:
 
 
 def _pid_alive_with(pid: int, marker: str) -> bool:
+    """``pid`` runs (not a zombie) and is a child of this run: ``marker`` (the run dir) is in its command line
+    or its environment (every child's ``TRAJPIPE_SPOOL_DIR`` is under the run dir; the evaluator's argv is not)."""
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
+        if "\tZ" in Path(f"/proc/{pid}/status").read_text().split("State:", 1)[1][:3]:
+            return False
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except (OSError, IndexError):
         return False
-    return marker in cmdline
+    return marker.encode() in cmdline or marker.encode() in environ
 
 
 class Loop:
