@@ -209,3 +209,27 @@ def test_loop_kill9_each_part_then_resume_loses_nothing(tmp_path: Path) -> None:
                 proc.kill()
         subprocess.run([sys.executable, "-m", "trajpipe", "broker", "stop", "--data-dir", str(run / "broker")],
                        env=ENV, capture_output=True, timeout=120)
+
+
+def test_rollout_scheduler_state_bad_path_is_one_error_line(tmp_path: Path) -> None:
+    proc = _trajpipe("rollout", "--episodes", "1", "--scheduler-state", str(tmp_path), "--bootstrap", "127.0.0.1:1",
+                     cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: `--scheduler-state` {tmp_path} is a directory; give a JSON file path"], proc.stderr
+
+
+@pytest.mark.integration
+def test_rollout_scheduler_state_resumes(tmp_path: Path, kafka_broker) -> None:
+    """Two `trajpipe rollout` runs on one state file: the second continues the first's tickets and group rounds."""
+    state = tmp_path / "scheduler.json"
+    args = ("rollout", "--bootstrap", kafka_broker.bootstrap, "--episodes", "4", "--group-size", "2", "--domains",
+            "math", "--policy", "scripted", "--scheduler-state", str(state), "--spool-dir", str(tmp_path / "spool"))
+    first = _trajpipe(*args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    after_first = json.loads(state.read_text())
+    assert (after_first["next_ticket"], after_first["next_round"], after_first["in_flight"]) == (5, 2, [])
+    second = _trajpipe(*args, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    after_second = json.loads(state.read_text())
+    assert (after_second["next_ticket"], after_second["next_round"]) == (9, 4)
+    assert after_second["rng"] != after_first["rng"]
