@@ -712,7 +712,9 @@ class Loop:
                 doc = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(doc, dict) and isinstance(doc.get("policy_version"), int) and "pass_rate" in doc:
+            # An evaluation cut short by a stop reports 0 episodes: it did not evaluate the version.
+            if isinstance(doc, dict) and isinstance(doc.get("policy_version"), int) and "pass_rate" in doc \
+                    and doc.get("episodes"):
                 out[doc["policy_version"]] = doc
         return out
 
@@ -786,22 +788,23 @@ class Loop:
         """Versions the follower skipped (published while it was busy, starting, or down): one `trajpipe eval` each."""
         evaluator = self.children["evaluator"]
         deadline = time.monotonic() + self.cfg.drain_timeout_s
-        for version in self.policy_versions():
-            if version in self.evaluations():
-                continue
-            if time.monotonic() >= deadline:
-                self.echo(f"loop: v{version} not evaluated (drain_timeout_s spent); `trajpipe eval --policy-version "
-                          f"{version}` evaluates it later")
-                continue
+        missing = [v for v in self.policy_versions() if v not in self.evaluations()]
+        started: list[tuple[int, Child]] = []
+        for version in missing[:4]:  # side by side (start-up dominates), a few at a time
             argv = [a for a in evaluator.argv if a != "--follow"]
             argv[argv.index("--policy-version") + 1] = str(version)
             one = Child(f"eval-v{version}", argv, evaluator.log, stdout=self.paths.evals,
                         spool=self.paths.spool(f"eval-v{version}"))
             one.start(self.env)
+            started.append((version, one))
+        for version, one in started:
             if one.wait(max(1.0, deadline - time.monotonic())) is None:
                 one.stop(30)
-            self.echo(f"loop: evaluated v{version} on demand" if version in self.evaluations()
-                      else f"loop: evaluation of v{version} failed; see {evaluator.log}")
+        done = self.evaluations()
+        for version in missing:
+            self.echo(f"loop: evaluated v{version} on demand" if version in done else
+                      f"loop: v{version} not evaluated at stop (see {evaluator.log}); `trajpipe eval --policy-version "
+                      f"{version}` evaluates it later")
 
     def _covered(self, offsets: Callable[[], dict[int, int]], end: dict[int, int] | None, name: str) -> bool:
         child = self.children.get(name)
@@ -906,7 +909,8 @@ def summarize(paths: LoopPaths, *, start_version: int, seconds: float, stopped_b
             doc = json.loads(line)
         except ValueError:
             continue
-        if isinstance(doc, dict) and isinstance(doc.get("policy_version"), int) and "pass_rate" in doc:
+        if isinstance(doc, dict) and isinstance(doc.get("policy_version"), int) and "pass_rate" in doc \
+                and doc.get("episodes"):
             evals[doc["policy_version"]] = doc
     steps = 0
     metrics = paths.train / "metrics.jsonl"
