@@ -784,6 +784,30 @@ class Loop:
                   "in Kafka for --resume)")
         return False
 
+    def _eval_child(self, version: int) -> Child:
+        evaluator = self.children["evaluator"]
+        argv = [a for a in evaluator.argv if a != "--follow"]
+        argv[argv.index("--policy-version") + 1] = str(version)
+        return Child(f"eval-v{version}", argv, evaluator.log, stdout=self.paths.evals,
+                     spool=self.paths.spool(f"eval-v{version}"))
+
+    def _catch_up_evaluations(self) -> None:
+        """Versions older than the newest evaluated one and never evaluated (published while the loop was down:
+        the follower only goes forward): one `trajpipe eval --policy-version V` at a time, while the loop runs."""
+        if "evaluator" not in self.children or any(c.poll() is None for c in self.oneshots):
+            return
+        evals = self.evaluations()
+        if not evals:
+            return
+        behind = [v for v in self.policy_versions() if v < max(evals) and v not in evals
+                  and not any(c.name == f"eval-v{v}" and c.exits for c in self.oneshots)]
+        if behind:
+            one = self._eval_child(behind[0])
+            one.start(self.env)
+            one.exits.append(0)  # marks "tried": a failed catch-up is retried at stop, not in a loop
+            self.oneshots.append(one)
+            self.echo(f"loop: evaluating v{behind[0]}, published while the loop was down (pid {one.pid})")
+
     def _evaluate_missing(self) -> None:
         """Versions the follower skipped (published while it was busy, starting, or down): one `trajpipe eval` each."""
         evaluator = self.children["evaluator"]
@@ -791,10 +815,7 @@ class Loop:
         missing = [v for v in self.policy_versions() if v not in self.evaluations()]
         started: list[tuple[int, Child]] = []
         for version in missing[:4]:  # side by side (start-up dominates), a few at a time
-            argv = [a for a in evaluator.argv if a != "--follow"]
-            argv[argv.index("--policy-version") + 1] = str(version)
-            one = Child(f"eval-v{version}", argv, evaluator.log, stdout=self.paths.evals,
-                        spool=self.paths.spool(f"eval-v{version}"))
+            one = self._eval_child(version)
             one.start(self.env)
             started.append((version, one))
         for version, one in started:
@@ -878,6 +899,7 @@ class Loop:
             while not self.stop_event.wait(1.0):
                 self.check_children()
                 self.report_new_evaluations()
+                self._catch_up_evaluations()
                 reason = self.budget_reached()
                 if reason:
                     self.request_stop(reason)
