@@ -116,7 +116,7 @@ def _finish(proc: subprocess.Popen, timeout: float) -> dict:
 
 def _topic_events(bootstrap: str) -> list[dict]:
     """Every record of the events topic, decoded (what the producers got acknowledged)."""
-    from schemas.events import decode_event
+    from schemas.codec import decode_event
     from streams.config import KafkaConnection
     from streams.consumer import OffsetRange, end_offsets, read_range
 
