@@ -130,6 +130,13 @@ def _analytics(ctx: BenchContext) -> dict:
     return bench_analytics(ctx.workdir / "analytics")
 
 
+def _loop(ctx: BenchContext) -> dict:
+    from bench.loop import bench_loop
+
+    # Its own brokers (one per run); a small budget here, `python -m bench.loop --budget-s 600` for a longer run.
+    return bench_loop(ctx.workdir / "loop", budget_s=240.0)
+
+
 BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "codec": _codec,
     "producer": _producer,
@@ -141,6 +148,7 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "faults": _faults,
     "learning": _learning,
     "analytics": _analytics,
+    "loop": _loop,
 }
 
 

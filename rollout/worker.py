@@ -39,6 +39,7 @@ every event of an episode carries the version (and lineage) that started it.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -204,8 +205,8 @@ class RolloutCounts(msgspec.Struct, kw_only=True):
 
 
 def make_scheduler(domains: list[str], *, seed: int = 0, adaptive: bool = True, task_pool: int = 0,
-                   levels: tuple[int, ...] = ()) -> TaskScheduler:
-    """An in-memory scheduler over ``domains`` with equal base weights.
+                   levels: tuple[int, ...] = (), state_path: str | os.PathLike[str] | None = None) -> TaskScheduler:
+    """A scheduler over ``domains`` with equal base weights (in memory, or persisted to ``state_path``).
 
     Args:
         domains: the domains to draw from.
@@ -213,6 +214,8 @@ def make_scheduler(domains: list[str], *, seed: int = 0, adaptive: bool = True, 
         adaptive: weight toward domains whose pass rate is neither ~0 nor ~1.
         task_pool: draw tasks from a fixed pool of this many per domain and level (0: always new ones).
         levels: pin the difficulty to these levels, drawn uniformly (empty: the curriculum decides).
+        state_path: JSON file the scheduler saves its state to after every result and resumes from when it
+            exists (levels, pass rates, RNG, group rounds; tickets in flight at a crash run again).
 
     Raises:
         ValueError: ``domains`` is empty, or a level is out of a domain's range.
@@ -225,7 +228,7 @@ def make_scheduler(domains: list[str], *, seed: int = 0, adaptive: bool = True, 
     if too_high:
         raise ValueError(f"`levels` {', '.join(too_high)} above the domain's highest level")
     return TaskScheduler(SchedulerConfig(domain_weights={d: 1.0 for d in domains}, adaptive=adaptive, seed=seed,
-                                         task_pool=task_pool, levels=tuple(levels)))
+                                         task_pool=task_pool, levels=tuple(levels)), state_path=state_path)
 
 
 class TaskSource(Protocol):

@@ -633,6 +633,9 @@ def rollout(
     follow_policies: Annotated[bool, typer.Option("--follow-policies/--no-follow-policies",
                                                   help="load versions published on the control topic")] = True,
     producer_id: Annotated[Optional[str], typer.Option("--producer-id", help="worker id on the events")] = None,
+    scheduler_state: Annotated[Optional[Path], typer.Option(
+        "--scheduler-state", help="JSON file of the task scheduler's state: saved after every episode, resumed "
+                                  "from when it exists (levels, pass rates, RNG, group rounds)")] = None,
     bootstrap: BootstrapOpt = None,
     spool_dir: Annotated[Optional[Path], typer.Option("--spool-dir", help="where to spool if Kafka is down")] = None,
     config: ConfigOpt = None,
@@ -674,11 +677,21 @@ def rollout(
         _fail(f"`--seed` must be >= 0 (negative seeds are the held-out evaluation tasks), got {seed}")
     if task_pool < 0:
         _fail(f"`--task-pool` must be >= 0 (0: always new tasks), got {task_pool}")
+    if scheduler_state is not None and scheduler_state.is_dir():
+        _fail(f"`--scheduler-state` {scheduler_state} is a directory; give a JSON file path")
     try:
         level_list = tuple(int(x) for x in levels.split(",") if x.strip()) if levels else ()
-        scheduler = make_scheduler(domain_list, seed=seed, task_pool=task_pool, levels=level_list)
     except ValueError as err:
         _fail(f"`--levels` {levels!r}: {err}")
+    try:
+        scheduler = make_scheduler(domain_list, seed=seed, task_pool=task_pool, levels=level_list,
+                                   state_path=scheduler_state)
+    except ValueError as err:
+        if "levels" in str(err):
+            _fail(f"`--levels` {levels!r}: {err}")
+        _fail(f"`--scheduler-state` {scheduler_state} cannot be resumed from: {err}")
+    except (KeyError, json.JSONDecodeError) as err:
+        _fail(f"`--scheduler-state` {scheduler_state} cannot be resumed from: {err}")
     published = _published_policy(model)
     policy_version = policy_version if policy_version is not None else published.get("version", 0)
     policy_lineage = policy_lineage if policy_lineage is not None else published.get("lineage", "")
@@ -948,9 +961,28 @@ def pipeline_run(ctx: typer.Context) -> None:
     _print_counts(counts)
 
 
+@app.command("loop")
+def loop(
+    config: Annotated[Path, typer.Option("--config", help="loop YAML (trajpipe/configs/loop.yaml)")],
+    resume: Annotated[bool, typer.Option("--resume", help="continue the run in the config's run_dir")] = False,
+) -> None:
+    """The online RL loop: rollouts, archiver, Beam job, online trainer, evaluator, each its own process (docs/loop.md)."""
+    from trajpipe.loop import load_loop_config, run_loop
+
+    if not config.is_file():
+        _fail(f"`--config` {config} is not a file; give a loop YAML (see trajpipe/configs/loop.yaml)")
+    cfg = load_loop_config(config)
+    summary = run_loop(cfg, resume=resume, echo=lambda line: print(line, file=sys.stderr, flush=True))
+    _print_counts(summary)
+    if summary.get("error"):
+        sys.stdout.flush()
+        print(f"error: {summary['error']}", file=sys.stderr, flush=True)
+        raise typer.Exit(1)
+
+
 #: What the demo leaves in its workdir (and so may wipe on the next run).
 _DEMO_ENTRIES = frozenset({"broker", "tiny", "archive", "datasets", "bc", "grpo", "spool", "catalog.duckdb",
-                           "report.html"})
+                           "report.html", "loop", "loop.yaml"})
 
 
 @app.command("demo")
@@ -966,7 +998,8 @@ def demo(
     Scripted demonstrations in the tiny model's tokens (sandboxed domains) -> archive -> Beam job -> rebuild
     with another reward recipe -> BC warm start (v1) -> v1's rollouts in GRPO groups -> Beam job (complete-group
     advantages) -> query -> round-trip audit of v1's log-probs -> GRPO from v1, v2 published on the control
-    topic -> rollouts that load v2.
+    topic -> rollouts that load v2 -> the online loop (`trajpipe loop`) from v1 for three versions, each
+    evaluated on held-out tasks, and the pass rate per version.
     """
     import shutil
     import socket
@@ -1065,6 +1098,11 @@ def demo(
                                  *analytics, "--out", str(workdir / "report.html"))
     finally:
         step("17. stop the broker", "broker", "stop", "--data-dir", str(workdir / "broker"))
+    results["loop"] = step("18. the online loop from v1 (own broker; 3 versions, each evaluated on held-out tasks)",
+                           "loop", "--config", str(_demo_loop_config(workdir, v1)))
+    console.rule("[bold]pass rate per policy version (held-out evaluation)")
+    for version, rate in results["loop"].get("pass_rate_by_version", {}).items():
+        console.print(f"v{version}: {rate:.3f}")
     console.rule("[bold]summary")
     console.print(f"archive: {archive}\ndatasets: {data}\npolicies: {workdir / 'bc' / 'policies'}, "
                   f"{grpo_run / 'policies'}\ncatalog: {results['catalog'].get('db')}\n"
@@ -1078,7 +1116,21 @@ def demo(
         "train_steps": results["train"].get("steps"), "policy_version": results["train"].get("policy_version"),
         "episodes_with_new_policy": results["rollout_new_policy"].get("episodes"),
         "new_policy_passed": results["rollout_new_policy"].get("passed"),
+        "loop_policy_versions": results["loop"].get("policy_versions"),
+        "loop_pass_rate_by_version": results["loop"].get("pass_rate_by_version"),
     })
+
+
+def _demo_loop_config(workdir: Path, model: Path) -> Path:
+    """The demo's loop: trajpipe/configs/loop-tiny.yaml from the BC policy, in ``workdir/loop``."""
+    import yaml
+
+    doc = yaml.safe_load((Path(__file__).resolve().parent / "configs" / "loop-tiny.yaml").read_text())
+    doc.update(run_dir=str(workdir / "loop"), model=str(model))
+    doc["budget"] = {"seconds": 300, "policy_versions": 3}
+    path = workdir / "loop.yaml"
+    path.write_text(f"# trajpipe loop --config {path}\n" + yaml.safe_dump(doc, sort_keys=False))
+    return path
 
 
 def main() -> None:
