@@ -11,7 +11,7 @@ CACHE := .cache
 KAFKA_JARS := $(CACHE)/kafka-jars
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-packages test fuzz demo bench faults lock clean kafka-jars
+.PHONY: install system-packages test test-acceptance fuzz demo bench faults lock clean kafka-jars
 
 PRISM := $(CACHE)/bin/prism
 FLINK_JS := $(CACHE)/jars/flink-job-server/.done
@@ -57,6 +57,10 @@ $(KAFKA_JARS)/.done: streams/kafka/pom.xml
 
 test: install
 	$(PY) -m pytest
+
+# Issue-acceptance runs (tests marked `acceptance`: minutes each, not in `make test` until they pass reliably).
+test-acceptance: install
+	$(PY) -m pytest -m acceptance --timeout=3600
 
 # The fuzz tests with many random examples (TRAJPIPE_FUZZ_EXAMPLES per test); the last line is one JSON
 # object of inputs tried per target and failed tests. `make test` runs the same tests with a few examples.

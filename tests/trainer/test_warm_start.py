@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1500)]  # minutes on a busy 2-core machine
+pytestmark = [pytest.mark.acceptance, pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1500)]  # minutes on a busy 2-core machine
 
 REPO = Path(__file__).resolve().parents[2]
 HELD_OUT_SEED = 900_001  # bench/learning.py's evaluation seed; the demonstrations use seed 1

@@ -126,6 +126,7 @@ def _topic_events(bootstrap: str) -> list[dict]:
     return [decode_event(rec.value) for batch in read_range(conn, ranges) for rec in batch]
 
 
+@pytest.mark.acceptance
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(2400)
