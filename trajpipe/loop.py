@@ -223,43 +223,25 @@ def load_loop_config(path: str | Path) -> LoopConfig:
 # ---------------------------------------------------------------------------------------------- run dir
 
 
+def _under_root(name: str, doc: str) -> property:
+    """A :class:`LoopPaths` entry: ``root / name``."""
+    return property(lambda self: self.root / name, doc=doc)
+
+
 @dataclass(frozen=True)
 class LoopPaths:
     """Where a run keeps its parts (all under ``run_dir``)."""
 
     root: Path
 
-    @property
-    def state(self) -> Path:  # bootstrap, lineage, recorded child pids, invocations
-        return self.root / "loop.json"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def broker(self) -> Path:
-        return self.root / "broker"
-
-    @property
-    def archive(self) -> Path:
-        return self.root / "archive"
-
-    @property
-    def data(self) -> Path:
-        return self.root / "data"
-
-    @property
-    def train(self) -> Path:
-        return self.root / "train"
-
-    @property
-    def train_config(self) -> Path:
-        return self.root / "train.yaml"
-
-    @property
-    def evals(self) -> Path:  # the evaluator's JSON lines (one per evaluated version)
-        return self.root / "evals.jsonl"
+    state = _under_root("loop.json", "bootstrap, lineage, recorded child pids, invocations")
+    logs = _under_root("logs", "one log per child process")
+    broker = _under_root("broker", "the embedded broker's data dir")
+    archive = _under_root("archive", "the event archive")
+    data = _under_root("data", "the dataset root")
+    train = _under_root("train", "the trainer's run dir (checkpoints, policies)")
+    train_config = _under_root("train.yaml", "the trainer recipe built from the loop config")
+    evals = _under_root("evals.jsonl", "the evaluator's JSON lines (one per evaluated version)")
 
     def spool(self, name: str) -> Path:
         return self.root / "spool" / name
