@@ -105,6 +105,7 @@ class _CommitPaneFn(beam.DoFn):
                  tokenizer: str | None = None) -> None:
         self._out, self._recipe, self._topic, self._shards = out, recipe, topic, shards
         self._tokenizer_dir = tokenizer
+        self._tokenizer = None  # loaded in setup() (a worker-side object, not pickled with the DoFn)
         self._feedback = {k: Metrics.counter(METRICS_NAMESPACE, k) for k in ("feedback_events", "duplicates")}
         self._timeout_s, self._retention_s, self._max_future_s = group_timeout_s, late_retention_s, max_future_s
         self._layout = DatasetLayout(out=out, version=recipe.version, recipe_hash=recipe.content_hash)
