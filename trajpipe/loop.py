@@ -223,6 +223,27 @@ def load_loop_config(path: str | Path) -> LoopConfig:
 # ---------------------------------------------------------------------------------------------- run dir
 
 
+def read_evaluations(path: Path) -> dict[int, dict[str, Any]]:
+    """The evaluator's JSON lines (``trajpipe eval --follow``) by policy version; the newest line of a version wins.
+
+    An evaluation cut short by a stop reports 0 episodes: it did not evaluate the version and is skipped.
+    """
+    out: dict[int, dict[str, Any]] = {}
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("policy_version"), int) and "pass_rate" in doc \
+                and doc.get("episodes"):
+            out[doc["policy_version"]] = doc
+    return out
+
+
 def _under_root(name: str, doc: str) -> property:
     """A :class:`LoopPaths` entry: ``root / name``."""
     return property(lambda self: self.root / name, doc=doc)
@@ -684,21 +705,7 @@ class Loop:
 
     def evaluations(self) -> dict[int, dict[str, Any]]:
         """The evaluator's JSON lines by policy version (the newest line of a version wins)."""
-        out: dict[int, dict[str, Any]] = {}
-        try:
-            lines = self.paths.evals.read_text().splitlines()
-        except OSError:
-            return out
-        for line in lines:
-            try:
-                doc = json.loads(line)
-            except ValueError:
-                continue
-            # An evaluation cut short by a stop reports 0 episodes: it did not evaluate the version.
-            if isinstance(doc, dict) and isinstance(doc.get("policy_version"), int) and "pass_rate" in doc \
-                    and doc.get("episodes"):
-                out[doc["policy_version"]] = doc
-        return out
+        return read_evaluations(self.paths.evals)
 
     def progress_line(self) -> str:
         now = time.monotonic()
@@ -907,15 +914,7 @@ def summarize(paths: LoopPaths, *, start_version: int, seconds: float, stopped_b
     """The loop's last line: versions, events, episodes, trained steps, pass rate per version."""
     versions = sorted(int(p.name[1:]) for p in (paths.train / "policies").glob("v*")
                       if p.name[1:].isdigit() and (p / "policy.json").is_file()) if (paths.train / "policies").is_dir() else []
-    evals: dict[int, dict[str, Any]] = {}
-    for line in (paths.evals.read_text().splitlines() if paths.evals.is_file() else []):
-        try:
-            doc = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(doc, dict) and isinstance(doc.get("policy_version"), int) and "pass_rate" in doc \
-                and doc.get("episodes"):
-            evals[doc["policy_version"]] = doc
+    evals = read_evaluations(paths.evals)
     steps = 0
     metrics = paths.train / "metrics.jsonl"
     if metrics.is_file():
