@@ -254,7 +254,7 @@ def load_train_config(path: str | Path | None = None, **overrides: Any) -> Train
     try:
         return TrainConfig.model_validate(doc)
     except ValidationError as err:
-        raise ConfigError(f"invalid training config: {_describe(err)}") from err
+        raise ConfigError(f"invalid training config: {describe_validation_error(err, flags=_FLAGS)}") from err
     except ValueError as err:
         raise ConfigError(f"invalid training config: {err}") from err
 
@@ -268,8 +268,16 @@ _FLAGS = {
 }
 
 
-def _describe(err: ValidationError) -> str:
-    """Each problem on one line: the setting (and its flag), what is wrong, the value given."""
+def describe_validation_error(err: ValidationError, *, flags: dict[str, str] | None = None,
+                              see: str = "see trainer/configs/*.yaml and docs/trainer.md") -> str:
+    """Each problem of a config on one line: the setting (and its flag), what is wrong, the value given.
+
+    Args:
+        err: pydantic's error.
+        flags: setting key -> the command-line flag that sets it (named beside the key).
+        see: where the valid settings are documented (named for an unknown key).
+    """
+    flags = flags or {}
     parts = []
     for e in err.errors():
         key = ".".join(str(x) for x in e["loc"])
@@ -277,11 +285,11 @@ def _describe(err: ValidationError) -> str:
         if not key:  # a model-level check: its message names the settings itself
             parts.append(msg)
             continue
-        where = f"`{_FLAGS[key]}` ({key})" if key in _FLAGS else f"`{key}`"
+        where = f"`{flags[key]}` ({key})" if key in flags else f"`{key}`"
         if e["type"] == "missing":
             parts.append(f"{where} is required")
         elif e["type"] == "extra_forbidden":
-            parts.append(f"{where} is not a setting; see trainer/configs/*.yaml and docs/trainer.md")
+            parts.append(f"{where} is not a setting; {see}")
         else:
             parts.append(f"{where}: {msg}, got {e.get('input')!r}")
     return "; ".join(parts)

@@ -65,6 +65,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from streams.config import ConfigError
+from trainer.config import describe_validation_error
 
 __all__ = ["LoopConfig", "LoopConfigError", "load_loop_config", "run_loop", "summarize", "LoopPaths"]
 
@@ -171,19 +172,6 @@ class LoopConfig(_Strict):
     drain_timeout_s: float = Field(120.0, gt=0, description="longest wait for each part to drain at stop")
 
 
-def _describe(err: ValidationError) -> str:
-    parts = []
-    for e in err.errors():
-        key = ".".join(str(x) for x in e["loc"]) or "config"
-        if e["type"] == "missing":
-            parts.append(f"`{key}` is required")
-        elif e["type"] == "extra_forbidden":
-            parts.append(f"`{key}` is not a setting (see trajpipe/configs/loop.yaml, docs/loop.md)")
-        else:
-            parts.append(f"`{key}`: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})")
-    return "; ".join(parts)
-
-
 def load_loop_config(path: str | Path) -> LoopConfig:
     """The loop config in ``path`` (YAML), validated.
 
@@ -208,7 +196,8 @@ def load_loop_config(path: str | Path) -> LoopConfig:
     try:
         cfg = LoopConfig.model_validate(doc)
     except ValidationError as err:
-        raise LoopConfigError(f"invalid loop config {path}: {_describe(err)}") from None
+        why = describe_validation_error(err, see="see trajpipe/configs/loop.yaml, docs/loop.md")
+        raise LoopConfigError(f"invalid loop config {path}: {why}") from None
     if cfg.budget.seconds is None and cfg.budget.policy_versions is None:
         raise LoopConfigError(f"invalid loop config {path}: `budget` needs `seconds` and/or `policy_versions`")
     from rollout.envs import domains as known
