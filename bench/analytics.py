@@ -44,6 +44,7 @@ from pipelines.catalog import open_catalog
 from pipelines.commit import CommittedFile, DatasetManifest
 from pipelines.reports import REPORTS, report_sql
 from schemas.datasets import step_file_schema, trajectory_file_schema
+from trainer.synthetic import context_tokens_of
 
 __all__ = ["bench_analytics", "write_synthetic_dataset"]
 
@@ -91,6 +92,8 @@ def _steps_table(rng: np.random.Generator, episodes: np.ndarray, steps_per_episo
         "num_steps": pa.array(np.full(n, steps_per_episode, np.int64)),
         "observation_token_ids": _lists(rng, obs, None, "tokens"),
         "action_token_ids": _lists(rng, act, None, "tokens"),
+        "observation_tokens": pa.array(obs.astype(np.int64)), "action_tokens": pa.array(act.astype(np.int64)),
+        "context_tokens": pa.array(context_tokens_of(obs, act, np.full(len(episodes), steps_per_episode))),
         "behaviour_logprobs": _lists(rng, act, None, "logprobs"),
         "temperature": pa.array(np.ones(n)), "top_p": pa.array(np.ones(n)), "top_k": pa.array(np.full(n, -1)),
         "context_cut_start": pa.array(np.zeros(n, np.int64)), "context_cut_tokens": pa.array(np.zeros(n, np.int64)),

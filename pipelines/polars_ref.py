@@ -140,6 +140,10 @@ def compute_polars(files: Sequence[str | Path], recipe: Recipe, *,
         .join(s, on=["episode_id", "t"], how="left")
         .with_columns(pl.col("s").fill_null(0.0), pl.col("passed").fill_null(False), T=pl.len().over("episode_id"))
         .sort("episode_id", "t")
+        .with_columns(observation_tokens=pl.col("observation_token_ids").list.len(), action_tokens=pl.col("n_tok"))
+        .with_columns(  # the stream before this step's action: every observation so far and the earlier actions
+            context_tokens=(pl.col("observation_tokens") + pl.col("action_tokens")).cum_sum().over("episode_id")
+            - pl.col("action_tokens"))
     )
     last = pl.col("t") == pl.col("T") - 1
     r = pl.when(last).then(recipe.outcome_weight * pl.col("outcome")).otherwise(0.0)
@@ -190,7 +194,8 @@ def compute_polars(files: Sequence[str | Path], recipe: Recipe, *,
     df = df.with_columns(normalized_advantage=pl.when(pl.col("trainable")).then(norm).otherwise(0.0))
     steps_out = df.select(
         "episode_id", "domain", "task_id", "task_group", pl.col("t").alias("step_index"),
-        "observation_token_ids", "action_token_ids", pl.col("lp").alias("behaviour_logprobs"),
+        "observation_token_ids", "action_token_ids", "observation_tokens", "action_tokens", "context_tokens",
+        pl.col("lp").alias("behaviour_logprobs"),
         "trainable", "reward", "return_to_go", "advantage", "normalized_advantage", "group_advantage",
         pl.col("g_n").alias("group_size"),
     ).sort("episode_id", "step_index")

@@ -13,7 +13,8 @@ Definitions (shared by every report):
 * a **judged** episode is complete and ended with ``termination`` ``done`` or
   ``max_steps`` (timeouts, errors and aborts carry no verdict, see
   :class:`schemas.events.Termination`); it **passed** when ``status = 'success'``;
-* an episode's **context** at step ``t`` is every token the policy was fed:
+* an episode's **context** at step ``t`` is its token stream before the action
+  (``StepRow.context_tokens``, stored per step):
   ``sum_{k<=t} |obs_k| + sum_{k<t} |act_k|``; a step is **long-context** when
   that reaches :data:`LONG_CONTEXT_TOKENS`;
 * **policy lag** of a trained sample (a trainable step) is
@@ -111,37 +112,20 @@ def _policy_lag(views: Collection[str]) -> str:
 
 
 def _token_cost(views: Collection[str]) -> str:
-    # The context of step t sums the episode's tokens before its action; summed over an episode's n steps it is
-    # sum_k (obs_k + act_k) * (n - k) - sum_k act_k, so totals and means need no running sum. Only the
-    # long-context share does, and only over episodes whose final context reaches the threshold.
+    # One pass over integer columns: each step row carries its token counts and its context length
+    # (StepRow.observation_tokens, action_tokens, context_tokens), so no token list is decoded and no running
+    # sum is taken here. An episode's steps are 0..num_steps-1: its first step counts the episode.
     return f"""
-        with s as materialized (
-            select domain, episode_id, step_index, num_steps, len(observation_token_ids) as obs,
-                   len(action_token_ids) as act, context_cut_tokens
-            from steps),
-        e as (
-            select domain, episode_id, count(*) as steps, sum(obs) as obs, sum(act) as act,
-                   sum((obs + act) * (num_steps - step_index)) - sum(act) as context_tokens,
-                   sum(obs + act) - sum(case when step_index = num_steps - 1 then act else 0 end) as final_context,
-                   sum(case when step_index > 0 then obs + act else 0 end) as growth,
-                   count(*) filter (where step_index > 0) as later_steps,
-                   count(*) filter (where context_cut_tokens > 0) as cut_steps
-            from s group by domain, episode_id),
-        long as (
-            select domain, count(*) filter (where context >= {LONG_CONTEXT_TOKENS}) as long_steps
-            from (select domain, sum(obs + act) over (partition by episode_id order by step_index
-                                                      rows between unbounded preceding and current row) - act
-                             as context
-                  from s semi join (select episode_id from e where final_context >= {LONG_CONTEXT_TOKENS}) using
-                       (episode_id))
-            group by domain)
-        select domain, count(*) as episodes, sum(steps) as steps, sum(obs) as prompt_tokens,
-               sum(act) as generated_tokens, sum(context_tokens) as context_tokens,
-               sum(act) / count(*) as generated_per_episode, sum(context_tokens) / sum(steps) as mean_context,
-               max(final_context) as max_context, sum(growth) / nullif(sum(later_steps), 0) as context_growth_per_step,
-               coalesce(any_value(long_steps), 0) / sum(steps) as long_context_share,
-               sum(cut_steps) / sum(steps) as context_cut_share
-        from e left join long using (domain) group by domain order by domain"""
+        select domain, count(*) filter (where step_index = 0) as episodes, count(*) as steps,
+               sum(observation_tokens) as prompt_tokens, sum(action_tokens) as generated_tokens,
+               sum(context_tokens) as context_tokens,
+               sum(action_tokens) / count(*) filter (where step_index = 0) as generated_per_episode,
+               sum(context_tokens) / count(*) as mean_context, max(context_tokens) as max_context,
+               sum(observation_tokens + action_tokens) filter (where step_index > 0)
+                   / nullif(count(*) filter (where step_index > 0), 0) as context_growth_per_step,
+               count(*) filter (where context_tokens >= {LONG_CONTEXT_TOKENS}) / count(*) as long_context_share,
+               count(*) filter (where context_cut_tokens > 0) / count(*) as context_cut_share
+        from steps group by domain order by domain"""
 
 
 def _failures(views: Collection[str]) -> str:

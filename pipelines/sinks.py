@@ -74,6 +74,7 @@ from schemas.datasets import (
     trajectory_file_schema,
 )
 from schemas.deadletter import DeadLetter
+from schemas.events import Step
 
 __all__ = [
     "WriteDatasets",
@@ -193,6 +194,7 @@ def episode_rows(episode: Episode, recipe: Recipe) -> tuple[TrajectoryRow, list[
     disagreements = 0
     if episode.complete:
         last = len(episode.steps) - 1
+        obs, act, context = _token_counts(episode.steps)
         for t, (s, vs) in enumerate(zip(episode.steps, episode.verdicts)):
             n_disagree = step_disagreements(vs)
             disagreements += n_disagree
@@ -201,7 +203,8 @@ def episode_rows(episode: Episode, recipe: Recipe) -> tuple[TrajectoryRow, list[
                 domain=episode.domain, recipe=version, recipe_hash=h, task_id=episode.task_id,
                 task_group=episode.task_group, policy_version=s.policy_version, status=status,
                 num_steps=len(episode.steps), observation_token_ids=s.observation_token_ids,
-                action_token_ids=s.action_token_ids, behaviour_logprobs=s.behaviour_logprobs,
+                action_token_ids=s.action_token_ids, observation_tokens=obs[t], action_tokens=act[t],
+                context_tokens=context[t], behaviour_logprobs=s.behaviour_logprobs,
                 temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                 context_cut_start=s.context_cut_start, context_cut_tokens=s.context_cut_tokens,
                 policy_lineage=episode.policy_lineage, trainable=episode.trainable,
@@ -215,6 +218,18 @@ def episode_rows(episode: Episode, recipe: Recipe) -> tuple[TrajectoryRow, list[
     return trajectory_row(episode, recipe, disagreements=disagreements if episode.complete else 0), steps
 
 
+def _token_counts(steps: Sequence[Step]) -> tuple[list[int], list[int], list[int]]:
+    """Per step: observation tokens, action tokens, and the stream length before the action (``context_tokens``)."""
+    obs = [len(s.observation_token_ids) for s in steps]
+    act = [len(s.action_token_ids) for s in steps]
+    context, total = [], 0
+    for o, a in zip(obs, act):
+        total += o
+        context.append(total)
+        total += a
+    return obs, act, context
+
+
 class RowsBuffer:
     """Dataset rows of many episodes, kept as columns: :func:`episode_rows` without a Python object per step.
 
@@ -224,7 +239,8 @@ class RowsBuffer:
     """
 
     _LISTED = ("episode_id", "step_index", "event_id", "task_id", "task_group", "policy_version", "status",
-               "num_steps", "observation_token_ids", "action_token_ids", "behaviour_logprobs", "temperature",
+               "num_steps", "observation_token_ids", "action_token_ids", "observation_tokens", "action_tokens",
+               "context_tokens", "behaviour_logprobs", "temperature",
                "top_p", "top_k", "context_cut_start", "context_cut_tokens", "policy_lineage", "trainable",
                "loss_mask", "group_advantage", "group_size", "verifications", "verification_score",
                "verifier_disagreements", "clipped", "event_time")
@@ -258,6 +274,10 @@ class RowsBuffer:
         c["num_steps"] += [n] * n
         c["observation_token_ids"] += [s.observation_token_ids for s in ss]
         c["action_token_ids"] += [s.action_token_ids for s in ss]
+        obs, act, context = _token_counts(ss)
+        c["observation_tokens"] += obs
+        c["action_tokens"] += act
+        c["context_tokens"] += context
         c["behaviour_logprobs"] += [s.behaviour_logprobs for s in ss]
         c["temperature"] += [sampling.temperature] * n
         c["top_p"] += [sampling.top_p] * n

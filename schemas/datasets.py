@@ -43,7 +43,9 @@ __all__ = [
 ]
 
 #: Version of the dataset row layout; recorded in every commit manifest.
-DATASET_SCHEMA_VERSION = 2
+#: 3: ``steps`` rows carry ``observation_tokens``, ``action_tokens`` and ``context_tokens``
+#: (files of layout 2 read them as null).
+DATASET_SCHEMA_VERSION = 3
 
 #: Hive partition keys, in directory order; never stored as file columns.
 PARTITION_KEYS: tuple[str, ...] = ("recipe", "domain")
@@ -93,6 +95,14 @@ class StepRow(msgspec.Struct, kw_only=True, gc=False):
             was fed them; context, not trained on. Shape ``[obs_tokens]``, int32.
             The episode's token stream is ``obs_0 + act_0 + obs_1 + act_1 + ...``.
         action_token_ids: tokens the policy produced, shape ``[action_tokens]``, int32.
+        observation_tokens: ``len(observation_token_ids)``, stored so that
+            token accounting (``trajpipe report token_cost``) reads one integer
+            column instead of decoding token lists.
+        action_tokens: ``len(action_token_ids)``.
+        context_tokens: length of the episode's token stream before this
+            step's action, ``sum_{k<=t} |obs_k| + sum_{k<t} |act_k|`` (step 0:
+            the prompt); the model was fed ``context_tokens - context_cut_tokens``
+            of them.
         behaviour_logprobs: log-prob of each action token under the behaviour
             policy's sampling distribution (natural log, <= 0), shape
             ``[action_tokens]``, float32; empty if the rollout did not record them.
@@ -140,6 +150,9 @@ class StepRow(msgspec.Struct, kw_only=True, gc=False):
     num_steps: int
     observation_token_ids: TokenIds
     action_token_ids: TokenIds
+    observation_tokens: int
+    action_tokens: int
+    context_tokens: int
     behaviour_logprobs: LogProbs
     temperature: float
     top_p: float

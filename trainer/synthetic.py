@@ -44,7 +44,7 @@ from schemas.datasets import DATASET_SCHEMA_VERSION, PARTITION_KEYS, StepRow
 from schemas.events import as_logprobs, as_token_ids, make_event_id
 from schemas.storage import atomic_write
 
-__all__ = ["make_step_rows", "write_steps_commit", "write_random_commit", "DEFAULT_RECIPE"]
+__all__ = ["make_step_rows", "write_steps_commit", "write_random_commit", "context_tokens_of", "DEFAULT_RECIPE"]
 
 #: Dataset version name used when none is given.
 DEFAULT_RECIPE = "synthetic-00000000"
@@ -129,6 +129,7 @@ def make_step_rows(
             n_obs = int(rng.integers(max(obs_tokens[0], 1), obs_tokens[1] + 1))
             n_act = int(rng.integers(action_tokens[0], action_tokens[1] + 1))
             prompt_len = prompt_len or n_obs
+            context = stream_len + n_obs
             stream_len += n_obs
             cut_start, cut_tokens = _cut(stream_len, prompt_len=prompt_len, budget=budget)
             stream_len += n_act
@@ -139,6 +140,7 @@ def make_step_rows(
                 policy_version=int(policy_versions[i % len(policy_versions)]), status=status, num_steps=n_steps,
                 observation_token_ids=as_token_ids(rng.integers(4, vocab_size, n_obs)),
                 action_token_ids=as_token_ids(rng.integers(4, vocab_size, n_act)),
+                observation_tokens=n_obs, action_tokens=n_act, context_tokens=context,
                 behaviour_logprobs=as_logprobs(-rng.exponential(1.0, n_act)),
                 temperature=temperature, top_p=top_p, top_k=top_k,
                 context_cut_start=cut_start, context_cut_tokens=cut_tokens, policy_lineage=policy_lineage,
@@ -148,6 +150,17 @@ def make_step_rows(
                 verifications=[], verification_score=0.0, verifier_disagreements=0, clipped=False, event_time=_TIME,
             ))
     return rows
+
+
+def context_tokens_of(obs: np.ndarray, act: np.ndarray, episode_steps: np.ndarray) -> np.ndarray:
+    """``StepRow.context_tokens`` of consecutive episodes of ``episode_steps`` steps, from per-step token counts.
+
+    >>> context_tokens_of(np.array([4, 2, 2, 5]), np.array([2, 3, 2, 1]), np.array([3, 1])).tolist()
+    [4, 8, 13, 5]
+    """
+    total = np.cumsum(obs + act, dtype=np.int64)
+    before = np.concatenate([[0], total])[np.cumsum(episode_steps) - episode_steps]  # stream before each episode
+    return total - act - np.repeat(before, episode_steps)
 
 
 def _table(rows: Sequence[StepRow]) -> pa.Table:
@@ -290,6 +303,8 @@ def write_random_commit(
             "num_steps": pa.array(np.repeat(ep_steps, ep_steps)),
             "observation_token_ids": _list_array(n_obs, rng.integers(4, vocab_size, n_obs.sum()), pa.int32()),
             "action_token_ids": _list_array(n_act, rng.integers(4, vocab_size, n_act.sum()), pa.int32()),
+            "observation_tokens": pa.array(n_obs.astype(np.int64)), "action_tokens": pa.array(n_act.astype(np.int64)),
+            "context_tokens": pa.array(context_tokens_of(n_obs, n_act, ep_steps)),
             "behaviour_logprobs": _list_array(n_act, -rng.exponential(1.0, n_act.sum()).astype(np.float32), pa.float32()),
             "temperature": pa.array(np.ones(n)), "top_p": pa.array(np.ones(n)),
             "top_k": pa.array(np.full(n, -1, np.int64)),

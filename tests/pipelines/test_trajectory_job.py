@@ -181,14 +181,14 @@ def test_polars_reference_agrees(recipe, tmp_path):
 
     files = [f.path for f in list_archive_files(root)]
     ref_steps, ref_trajs = compute_polars(files, recipe)
-    cols = ["episode_id", "step_index", "trainable", "group_size", "reward", "return_to_go", "advantage",
-            "normalized_advantage", "group_advantage"]
+    cols = ["episode_id", "step_index", "trainable", "group_size", "observation_tokens", "action_tokens",
+            "context_tokens", "reward", "return_to_go", "advantage", "normalized_advantage", "group_advantage"]
     ours = pl.read_parquet(f"{out}/steps/recipe={recipe.version}/**/*.parquet", hive_partitioning=True)
     ours, ref = ours.select(cols).sort("episode_id", "step_index"), ref_steps.select(cols).sort("episode_id",
                                                                                               "step_index")
     assert ours.height == ref.height == c["steps"]
-    assert ours.select(cols[:4]).equals(ref.select(cols[:4]))
-    for col in cols[4:]:
+    assert ours.select(cols[:7]).equals(ref.select(cols[:7]).cast(ours.select(cols[:7]).schema))
+    for col in cols[7:]:
         assert (ours[col] - ref[col]).abs().max() < 1e-9, (recipe.name, col)
     traj_cols = ["episode_id", "num_steps", "action_tokens", "num_events", "termination", "trainable",
                  "excluded_reason", "group_size", "group_member", "group_members", "group_timed_out", "steps_passed",
