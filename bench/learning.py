@@ -9,8 +9,8 @@ Everything goes through the product's own commands and data, as a user would run
    DeepSpeed) → policy v1.
 2. **Held-out evaluation** of the base model and of every published version: the
    rollout worker with the ``hf`` policy at temperature 0 (greedy) on a fixed set of held-out
-   tasks per (domain, level) -- task seed ``EVAL_SEED``, never used for demonstrations or training
-   -- whose episodes go through Kafka to their own topic (never into a training dataset).
+   tasks per (domain, level) -- the held-out pool of ``trajpipe eval`` (:func:`rollout.heldout.heldout_tasks`,
+   disjoint by content from every demonstration and training task) -- whose episodes go through Kafka to their own topic (never into a training dataset).
 3. **Online GRPO** from v1, each iteration the real commands: the current policy's rollouts in
    groups (``hf``, sampled, training seed ``TRAIN_SEED + i``, levels 0-1) → Kafka →
    ``trajpipe pipeline run --source kafka`` (the new micro-batch; complete-group advantages) →
@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -70,7 +69,6 @@ class LearningSetup:
             failure and its recovery, e.g. a rewrite after failing tests; BC clones every step).
         demo_seed: task seed of the demonstrations.
         bc_config: warm-start recipe (``trajpipe train --config``).
-        eval_seed: task seed of the held-out tasks (never a demonstration or training seed).
         eval_tasks: held-out tasks per (domain, level).
         base_eval_tasks: held-out level-0 tasks per domain for the base model (a random-init model never
             stops early: each of its actions costs ``max_tokens``; the first ``base_eval_tasks`` of the
@@ -98,7 +96,6 @@ class LearningSetup:
     demo_noise: float = 0.0
     demo_seed: int = 1
     bc_config: Path = CONFIGS / "bc-warmstart-loop.yaml"
-    eval_seed: int = 900_001
     eval_tasks: int = 8
     base_eval_tasks: int = 4
     eval_max_steps: int = 6
@@ -151,61 +148,39 @@ def _trajpipe(env: dict, log: Path, *args) -> dict:
 
 
 def evaluate_policy(model: Path, *, bootstrap: str, topic: str, spool: Path, domains: tuple[str, ...],
-                    levels: tuple[int, ...], tasks: int, seed: int, max_steps: int, max_tokens: int,
+                    levels: tuple[int, ...], tasks: int, max_steps: int, max_tokens: int,
                     policy_version: int = 0, policy: str = "hf") -> dict[str, dict]:
-    """Greedy pass rate of ``model`` on held-out tasks: ``tasks`` per (domain, level) of task seed ``seed``.
+    """Greedy pass rate of ``model`` on held-out tasks: what ``trajpipe eval`` runs (:func:`rollout.evaluate.run_evaluation`).
 
-    The real rollout worker (``policy``: ``hf`` or ``vllm``; sandboxed environments) runs the episodes
-    and emits their events to ``topic`` (an evaluation topic: no training dataset reads it).
+    The first ``tasks`` of each (domain, level) pool of :func:`rollout.heldout.heldout_tasks` (disjoint by content
+    from every demonstration and training task: the training scheduler skips them), run by the real rollout
+    worker (``policy``: ``hf`` or ``vllm``; sandboxed environments), their episodes (purpose ``eval``) emitted to
+    ``topic``.
 
     Returns:
         ``{"<domain>/<level>": {"episodes": n, "passed": k, "pass_rate": k / n}}``.
     """
-    from rollout.envs import generate_tasks
-    from rollout.policies.hf import HFPolicy
-    from rollout.worker import RolloutConfig, RolloutWorker, make_scheduler
-    from schemas.events import SamplingParams
+    from rollout.evaluate import EvalConfig, load_policy, run_evaluation
     from streams.admin import ensure_topics
     from streams.config import KafkaConnection, Topics
     from streams.producer import EventProducer
 
     conn = KafkaConnection(bootstrap_servers=bootstrap)
     ensure_topics(conn, Topics(events=topic, dead_letters=f"{topic}.dl", control=f"{topic}.ctl", partitions=2))
-    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0)
-    if policy == "vllm":
-        from rollout.policies.vllm import VLLMPolicy
-
-        actor = VLLMPolicy(model, sampling=sampling, policy_version=policy_version, max_batch=16)
-    else:
-        actor = HFPolicy.from_pretrained(model, sampling=sampling, policy_version=policy_version)
-    scheduler = make_scheduler(list(domains), seed=seed, levels=levels)
-    for domain in domains:
-        for level in levels:
-            for task in generate_tasks(domain, tasks, seed=seed, difficulty=level):
-                scheduler.submit(task)
-    cells: dict[str, dict] = {f"{d}/{lv}": {"episodes": 0, "passed": 0} for d in domains for lv in levels}
-
-    def on_episode(result, _counts) -> None:
-        level = int(re.search(r"-d(\d+)-", result.task_id).group(1))
-        cell = cells[f"{result.domain}/{level}"]
-        cell["episodes"] += 1
-        cell["passed"] += int(result.status == "success")
-
-    total = tasks * len(domains) * len(levels)
+    config = EvalConfig(domains=domains, levels=levels, tasks_per_level=tasks, max_steps=max_steps,
+                        max_tokens=max_tokens, temperature=0.0, concurrency=16 if policy == "vllm" else 4,
+                        producer_id="bench-learning-eval")
+    actor = load_policy(policy, str(model), version=policy_version, config=config)
     try:
         with EventProducer(conn, topic, spool_dir=spool) as producer:
-            worker = RolloutWorker(actor, emit=producer.emit, scheduler=scheduler, on_episode=on_episode,
-                                   config=RolloutConfig(episodes=total, concurrency=16 if policy == "vllm" else 4,
-                                                        max_steps=max_steps, producer_id="bench-learning-eval"))
-            worker.run()
+            result = run_evaluation(actor, emit=producer.emit, config=config)
             producer.flush()
     finally:
         close = getattr(actor, "close", None)
         if close is not None:
             close()
-    for cell in cells.values():
-        cell["pass_rate"] = round(cell["passed"] / cell["episodes"], 4) if cell["episodes"] else 0.0
-    return cells
+    return {k: {"episodes": c.episodes, "passed": c.passed, "pass_rate": round(c.pass_rate, 4)}
+            for k, c in result.by_domain_level.items()}
 
 
 def bench_learning(bootstrap: str, workdir: Path, setup: LearningSetup = LearningSetup(), *,
@@ -229,7 +204,7 @@ def bench_learning(bootstrap: str, workdir: Path, setup: LearningSetup = Learnin
         t0 = time.perf_counter()
         cells = evaluate_policy(model, bootstrap=bootstrap, topic=eval_topic, spool=workdir / "spool-eval",
                                 domains=setup.domains, levels=levels, tasks=tasks,
-                                seed=setup.eval_seed, max_steps=setup.eval_max_steps,
+                                max_steps=setup.eval_max_steps,
                                 max_tokens=setup.max_tokens, policy_version=version, policy=setup.policy)
         point = _Point(policy_version=version, elapsed_s=round(elapsed, 1), by_domain_level=cells)
         log(f"v{version} @ {elapsed:.0f} s: level 0 {point.rate(levels=(0,)):.3f}, levels "

@@ -3,8 +3,9 @@
 The real path, as docs/trainer.md "Warm start" gives it: scripted demonstrations in the tiny model's tokens
 (``trajpipe rollout --policy scripted --model tiny --levels 0``, task seed 1) → Kafka → ``trajpipe pipeline
 run`` → ``trajpipe train`` (behaviour cloning, DeepSpeed; trainer/configs/bc-warmstart-loop.yaml with fewer
-steps) → v1; then the base model and v1 act greedily (``--policy hf --temperature 0``) on held-out tasks of
-another task seed, in the sandboxed ``tools`` environment, their episodes through Kafka.
+steps) → v1; then ``trajpipe eval`` runs the base model and v1 greedily on the held-out ``tools`` level-0 tasks
+(rollout.heldout: disjoint by content from the demonstrations, which the scheduler never draws), in the sandboxed
+environment, their episodes (purpose ``eval``) through Kafka.
 
 The threshold is modest on purpose (the figure itself is ``bc_heldout_pass_rate`` in bench/learning.py):
 the random-init base passes nothing, v1 at least half of the held-out tasks.
@@ -24,7 +25,6 @@ import yaml
 pytestmark = [pytest.mark.acceptance, pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1500)]  # minutes on a busy 2-core machine
 
 REPO = Path(__file__).resolve().parents[2]
-HELD_OUT_SEED = 900_001  # bench/learning.py's evaluation seed; the demonstrations use seed 1
 
 
 def _trajpipe(env: dict, *args) -> dict:
@@ -56,10 +56,10 @@ def test_warm_start_beats_the_base_model_on_held_out_tasks(kafka_broker, topic_n
                    "--out", tmp_path / "bc")
     assert bc == {"steps": 60, "tokens": bc["tokens"], "policy_version": 1}
 
-    held_out = ["--domains", "tools", "--levels", "0", "--episodes", 4, "--seed", HELD_OUT_SEED,
-                "--temperature", 0, "--max-steps", 5, "--max-tokens", 32, "--no-follow-policies"]
-    base = _trajpipe(eval_env, "rollout", "--bootstrap", bootstrap, "--policy", "hf", "--model", tiny, *held_out)
-    warm = _trajpipe(eval_env, "rollout", "--bootstrap", bootstrap, "--policy", "hf",
+    held_out = ["--domains", "tools", "--levels", "0", "--tasks-per-level", 4, "--temperature", 0,
+                "--max-steps", 5, "--max-tokens", 32]
+    base = _trajpipe(eval_env, "eval", "--bootstrap", bootstrap, "--policy", "hf", "--model", tiny, *held_out)
+    warm = _trajpipe(eval_env, "eval", "--bootstrap", bootstrap, "--policy", "hf",
                      "--model", tmp_path / "bc" / "policies" / "v1", *held_out)
     print(f"held-out tools/0: base {base['passed']}/4, warm start {warm['passed']}/4")
     assert base["errors"] == warm["errors"] == 0
