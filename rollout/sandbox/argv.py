@@ -23,11 +23,12 @@ sandbox's own directories). ``/proc`` is the sandbox's own pid namespace,
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from rollout.sandbox.errors import SandboxUnavailable
 
@@ -35,6 +36,7 @@ __all__ = [
     "WORK_MOUNT",
     "ETC_FILES",
     "SANDBOX_ENV",
+    "HostTools",
     "host_tools",
     "sandbox_python",
     "static_bwrap_args",
@@ -79,8 +81,17 @@ def _which(name: str) -> str | None:
     return shutil.which(name, path=os.environ.get("PATH", "") + ":" + _SYSTEM_PATH)
 
 
-def host_tools() -> tuple[str, str]:
-    """Absolute paths of ``bwrap`` and ``prlimit``.
+class HostTools(NamedTuple):
+    """Absolute paths of the host programs a sandbox run execs."""
+
+    bwrap: str
+    prlimit: str
+    setpriv: str
+
+
+@functools.cache
+def host_tools() -> HostTools:
+    """Absolute paths of ``bwrap``, ``prlimit`` and ``setpriv`` (looked up once per process).
 
     Raises:
         SandboxUnavailable: one of them is not installed.
@@ -91,10 +102,13 @@ def host_tools() -> tuple[str, str]:
             "bubblewrap (`bwrap`) is not installed; install it with "
             "`apt-get install -y bubblewrap` (Debian/Ubuntu) or `dnf install bubblewrap`"
         )
-    prlimit = _which("prlimit")
-    if prlimit is None:
-        raise SandboxUnavailable("`prlimit` (util-linux) is not installed; install util-linux")
-    return os.path.realpath(bwrap), os.path.realpath(prlimit)
+    found = {}
+    for name in ("prlimit", "setpriv"):
+        path = _which(name)
+        if path is None:
+            raise SandboxUnavailable(f"`{name}` (util-linux) is not installed; install util-linux")
+        found[name] = os.path.realpath(path)
+    return HostTools(os.path.realpath(bwrap), found["prlimit"], found["setpriv"])
 
 
 def sandbox_python() -> str:

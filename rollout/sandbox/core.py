@@ -9,14 +9,16 @@ mechanism and is documented and testable on its own:
 * :mod:`~rollout.sandbox.cgroups` / :mod:`~rollout.sandbox.rlimits` - the resource limits;
 * :mod:`~rollout.sandbox.pump` - output bounds and the wall clock;
 * :mod:`~rollout.sandbox.verdict` - why a command stopped, from kernel facts;
-* :mod:`~rollout.sandbox.files` - host-side file I/O, manifests, snapshots.
+* :mod:`~rollout.sandbox.files` - host-side file I/O, manifests, snapshots;
+* :mod:`~rollout.sandbox.launch` - the spawn (``vfork``-able; ``setpriv`` drops the uid).
 
 One run::
 
-    prlimit --cpu --fsize --nofile --core [--data --nproc]     (rlimits)
-      bwrap --args <memfd> --                                  (env: SANDBOX_ENV only)
-            [--block-fd: pid 1 waits until it is in the sandbox cgroup]
-        <command>
+    [setpriv --reuid U --regid G --clear-groups --]       (worker is root)
+      prlimit --cpu --fsize --nofile --core [--data --nproc] --  (rlimits)
+        bwrap --args <memfd> --                            (env: SANDBOX_ENV only)
+              [--block-fd: pid 1 waits until it is in the sandbox cgroup]
+          <command>
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ import uuid
 from pathlib import Path
 from typing import Sequence
 
-from rollout.sandbox.argv import SANDBOX_ENV, args_memfd, bwrap_args, host_tools
+from rollout.sandbox.argv import args_memfd, bwrap_args, host_tools
 from rollout.sandbox.cgroups import SandboxCgroup, create_cgroup, detect_cgroups
 from rollout.sandbox.errors import SandboxError, SandboxUnavailable
 from rollout.sandbox.files import SnapshotId, WorkDir, diff_manifests, has_file_of_size
+from rollout.sandbox.launch import launch_argv, start_bwrap
 from rollout.sandbox.limits import SandboxLimits
 from rollout.sandbox.pump import kill_group, pump, read_available, read_status_until
 from rollout.sandbox.results import CommandResult
@@ -79,7 +82,7 @@ class Sandbox:
         limits_backend: the mechanism in force: ``cgroup2``, ``cgroup1`` or ``rlimit``.
 
     Raises:
-        SandboxUnavailable: bubblewrap or prlimit is missing, bwrap cannot
+        SandboxUnavailable: bubblewrap, prlimit or setpriv is missing, bwrap cannot
             create namespaces here, or ``limits_backend="cgroup"`` and no cgroup is delegated.
         ValueError: an unknown ``limits_backend`` or a relative ``extra_ro_binds`` entry.
 
@@ -102,7 +105,7 @@ class Sandbox:
         if limits_backend not in LIMITS_BACKENDS:
             raise ValueError(f"`limits_backend` must be one of {', '.join(LIMITS_BACKENDS)}, got {limits_backend!r}")
         self.limits = limits or SandboxLimits()
-        self._bwrap, self._prlimit = host_tools()
+        self._tools = host_tools()
         self._extra_ro_binds = tuple(extra_ro_binds)
         for path in self._extra_ro_binds:
             if not os.path.isabs(path):
@@ -293,6 +296,8 @@ class Sandbox:
         data_in = stdin.encode() if isinstance(stdin, str) else stdin
         started = time.monotonic()
         proc, status_r, block_w = self._spawn(argv_cmd, with_stdin=bool(data_in))
+        if self._cgroup is not None:
+            self._cgroup.warm()  # the attach's grace period elapses while bwrap sets up its namespaces
         # bwrap's outer process inherits our peak RSS: exec records the old (forked) mm's high-water mark in the
         # new program's ru_maxrss. Read after the fork (a peak only grows), its own wait4 peak means something
         # only above this bound.
@@ -337,7 +342,7 @@ class Sandbox:
         )
 
     def _spawn(self, argv_cmd: list[str], *, with_stdin: bool) -> tuple[subprocess.Popen, int, int | None]:
-        """Start prlimit+bwrap with nothing of the worker's: env, cwd, fds and argv are all ours."""
+        """Start bwrap (behind setpriv/prlimit) with nothing of the worker's: env, cwd, fds and argv are all ours."""
         status_r, status_w = os.pipe()
         block_r, block_w = os.pipe() if self._cgroup is not None else (None, None)
         own = [status_w] + ([block_r] if block_r is not None else [])
@@ -354,24 +359,11 @@ class Sandbox:
         nproc = None
         if self._cgroup is None:
             nproc = self.limits.max_processes + (0 if self._lease.private else uid_process_count(self.uid))
-        argv = [self._prlimit, *prlimit_args(self.limits, fallback_nproc=nproc), "--",
-                self._bwrap, "--args", str(memfd), "--", *argv_cmd]
-        kwargs: dict = {}
-        if os.geteuid() == 0:
-            kwargs = {"user": self.uid, "group": self.gid, "extra_groups": []}
+        argv = launch_argv(self._tools, drop_to=(self.uid, self.gid) if os.geteuid() == 0 else None,
+                           prlimit_opts=prlimit_args(self.limits, fallback_nproc=nproc),
+                           memfd=memfd, cmd=argv_cmd)
         try:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.PIPE if with_stdin else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=tuple(own),
-                env=dict(SANDBOX_ENV),
-                cwd="/",
-                start_new_session=True,
-                close_fds=True,
-                **kwargs,
-            )
+            proc = start_bwrap(argv, with_stdin=with_stdin, pass_fds=own)
         except OSError as err:
             os.close(status_r)
             if block_w is not None:
