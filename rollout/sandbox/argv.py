@@ -86,12 +86,12 @@ class HostTools(NamedTuple):
 
     bwrap: str
     prlimit: str
-    setpriv: str
+    chroot: str
 
 
 @functools.cache
 def host_tools() -> HostTools:
-    """Absolute paths of ``bwrap``, ``prlimit`` and ``setpriv`` (looked up once per process).
+    """Absolute paths of ``bwrap``, ``prlimit`` and ``chroot`` (looked up once per process).
 
     Raises:
         SandboxUnavailable: one of them is not installed.
@@ -103,12 +103,12 @@ def host_tools() -> HostTools:
             "`apt-get install -y bubblewrap` (Debian/Ubuntu) or `dnf install bubblewrap`"
         )
     found = {}
-    for name in ("prlimit", "setpriv"):
+    for name, package in (("prlimit", "util-linux"), ("chroot", "coreutils")):
         path = _which(name)
         if path is None:
-            raise SandboxUnavailable(f"`{name}` (util-linux) is not installed; install util-linux")
+            raise SandboxUnavailable(f"`{name}` ({package}) is not installed; install {package}")
         found[name] = os.path.realpath(path)
-    return HostTools(os.path.realpath(bwrap), found["prlimit"], found["setpriv"])
+    return HostTools(os.path.realpath(bwrap), found["prlimit"], found["chroot"])
 
 
 def sandbox_python() -> str:

@@ -10,11 +10,11 @@ mechanism and is documented and testable on its own:
 * :mod:`~rollout.sandbox.pump` - output bounds and the wall clock;
 * :mod:`~rollout.sandbox.verdict` - why a command stopped, from kernel facts;
 * :mod:`~rollout.sandbox.files` - host-side file I/O, manifests, snapshots;
-* :mod:`~rollout.sandbox.launch` - the spawn (``vfork``-able; ``setpriv`` drops the uid).
+* :mod:`~rollout.sandbox.launch` - the spawn (``vfork``-able; ``chroot --userspec`` drops the uid).
 
 One run::
 
-    [setpriv --reuid U --regid G --clear-groups --]       (worker is root)
+    [chroot --userspec=+U:+G --groups= --skip-chdir /]    (worker is root)
       prlimit --cpu --fsize --nofile --core [--data --nproc] --  (rlimits)
         bwrap --args <memfd> --                            (env: SANDBOX_ENV only)
               [--block-fd: pid 1 waits until it is in the sandbox cgroup]
@@ -82,7 +82,7 @@ class Sandbox:
         limits_backend: the mechanism in force: ``cgroup2``, ``cgroup1`` or ``rlimit``.
 
     Raises:
-        SandboxUnavailable: bubblewrap, prlimit or setpriv is missing, bwrap cannot
+        SandboxUnavailable: bubblewrap, prlimit or chroot is missing, bwrap cannot
             create namespaces here, or ``limits_backend="cgroup"`` and no cgroup is delegated.
         ValueError: an unknown ``limits_backend`` or a relative ``extra_ro_binds`` entry.
 
@@ -342,7 +342,7 @@ class Sandbox:
         )
 
     def _spawn(self, argv_cmd: list[str], *, with_stdin: bool) -> tuple[subprocess.Popen, int, int | None]:
-        """Start bwrap (behind setpriv/prlimit) with nothing of the worker's: env, cwd, fds and argv are all ours."""
+        """Start bwrap (behind chroot/prlimit) with nothing of the worker's: env, cwd, fds and argv are all ours."""
         status_r, status_w = os.pipe()
         block_r, block_w = os.pipe() if self._cgroup is not None else (None, None)
         own = [status_w] + ([block_r] if block_r is not None else [])

@@ -1,7 +1,7 @@
 """How a run is started: the identity and rlimits the command gets, a spawn that can vfork, the cgroup warm-up.
 
 The spawn no longer uses ``Popen(user=, group=, extra_groups=)`` (which makes
-CPython fork the worker) but ``setpriv``; these tests check, from inside the
+CPython fork the worker) but ``chroot --userspec``; these tests check, from inside the
 sandbox, that the command still holds exactly the private uid/gid (real,
 effective, saved, filesystem), no supplementary group and no capability, and
 that every rlimit is in force, under each limits backend.
