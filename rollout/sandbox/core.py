@@ -26,27 +26,25 @@ from __future__ import annotations
 import json
 import os
 import resource
-import shutil
 import signal
 import subprocess
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Sequence
 
 from rollout.sandbox.argv import args_memfd, bwrap_args, host_tools
-from rollout.sandbox.cgroups import SandboxCgroup, create_cgroup, detect_cgroups
+from rollout.sandbox.cgroups import SandboxCgroup, detect_cgroups
 from rollout.sandbox.errors import SandboxError, SandboxUnavailable
 from rollout.sandbox.files import SnapshotId, WorkDir, diff_manifests, has_file_of_size
 from rollout.sandbox.launch import launch_argv, start_bwrap
 from rollout.sandbox.limits import SandboxLimits
 from rollout.sandbox.pump import kill_group, pump, read_available, read_status_until
 from rollout.sandbox.results import CommandResult
+from rollout.sandbox.slots import take_slot
 from rollout.sandbox.rlimits import prlimit_args
 from rollout.sandbox.uids import (
-    UidLease,
     become_subreaper,
     check_traversable,
     reap_adopted,
@@ -77,6 +75,9 @@ class Sandbox:
             one, else rlimits), ``cgroup`` (require a cgroup) or ``rlimit``.
         cgroup_parent: a delegated cgroup v2 directory to create sandbox
             cgroups under (default: this process's own cgroup).
+        pool_size: keep this many sandboxes' host state (directories, uid,
+            cgroup) made ahead by a background thread, per (root, limits,
+            cgroup hierarchy); 0 makes it here. Never reused: see :mod:`~rollout.sandbox.slots`.
 
     Attributes:
         limits_backend: the mechanism in force: ``cgroup2``, ``cgroup1`` or ``rlimit``.
@@ -101,6 +102,7 @@ class Sandbox:
         extra_ro_binds: Sequence[str] = (),
         limits_backend: str = "auto",
         cgroup_parent: str | None = None,
+        pool_size: int = 2,
     ) -> None:
         if limits_backend not in LIMITS_BACKENDS:
             raise ValueError(f"`limits_backend` must be one of {', '.join(LIMITS_BACKENDS)}, got {limits_backend!r}")
@@ -123,31 +125,16 @@ class Sandbox:
         self.root = Path(workdir_root)
         self.root.mkdir(parents=True, exist_ok=True)
         check_traversable(self.root)
-        self.sandbox_id = uuid.uuid4().hex[:16]
-        self.dir = self.root / f"sb-{self.sandbox_id}"
-        self._lease = UidLease()
         become_subreaper()
+        self._slot = take_slot(self.root, limits=self.limits, support=support, pool_size=pool_size)
+        self.sandbox_id, self.dir = self._slot.sandbox_id, self._slot.dir
+        self._lease = self._slot.lease
         self.uid, self.gid = self._lease.uid, self._lease.gid
-        self.work = self.dir / "work"
-        self._tmp = self.dir / "tmp"
-        snapshots = self.dir / "snapshots"
-        self._cgroup: SandboxCgroup | None = None
-        try:
-            self.dir.mkdir(mode=0o711)
-            os.chmod(self.dir, 0o711)
-            for sub in (self.work, self._tmp):
-                sub.mkdir(mode=0o755)
-                os.chown(sub, self.uid, self.gid)
-            snapshots.mkdir(mode=0o700)
-            if support is not None:
-                self._cgroup = create_cgroup(support, self.sandbox_id, self.limits)
-        except (OSError, SandboxError):
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self._lease.release()
-            raise
+        self.work, self._tmp = self._slot.work, self._slot.tmp
+        self._cgroup: SandboxCgroup | None = self._slot.cgroup
         self.limits_backend = self._cgroup.kind if self._cgroup is not None else "rlimit"
         self._counters = self._cgroup.counters() if self._cgroup is not None else (0, 0)
-        self._files = WorkDir(self.work, snapshots, uid=self.uid, gid=self.gid,
+        self._files = WorkDir(self.work, self._slot.snapshots, uid=self.uid, gid=self.gid,
                               hash_bytes=self.limits.manifest_hash_bytes,
                               max_files=self.limits.max_manifest_files)
         self._closed = False
@@ -177,10 +164,7 @@ class Sandbox:
         if self._closed:
             return
         self._closed = True
-        if self._cgroup is not None:
-            self._cgroup.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-        self._lease.release()
+        self._slot.destroy()
 
     def __del__(self) -> None:  # last resort; close() is the contract
         try:
