@@ -42,8 +42,8 @@ from rollout.sandbox.launch import launch_argv, start_bwrap
 from rollout.sandbox.limits import SandboxLimits
 from rollout.sandbox.pump import kill_group, pump, read_available, read_status_until
 from rollout.sandbox.results import CommandResult
-from rollout.sandbox.slots import take_slot
 from rollout.sandbox.rlimits import prlimit_args
+from rollout.sandbox.slots import take_slot
 from rollout.sandbox.uids import (
     become_subreaper,
     check_traversable,
@@ -282,7 +282,7 @@ class Sandbox:
         proc, status_r, block_w = self._spawn(argv_cmd, with_stdin=bool(data_in))
         if self._cgroup is not None:
             self._cgroup.warm()  # the attach's grace period elapses while bwrap sets up its namespaces
-        # bwrap's outer process inherits our peak RSS: exec records the old (forked) mm's high-water mark in the
+        # bwrap's outer process inherits our peak RSS: exec records the old (vforked: our) mm's high-water mark in the
         # new program's ru_maxrss. Read after the fork (a peak only grows), its own wait4 peak means something
         # only above this bound.
         spawner_peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
