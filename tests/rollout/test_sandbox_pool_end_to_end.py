@@ -16,7 +16,6 @@ count every episode.
 from __future__ import annotations
 
 import json
-import time
 
 import duckdb
 import pytest
