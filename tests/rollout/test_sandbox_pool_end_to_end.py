@@ -8,9 +8,9 @@ that prints what the sandbox holds before the policy did anything (``/work``,
 and the trajectory job; from the archived step events the test checks that no
 two episodes shared a sandbox (cgroup name, which carries the sandbox id),
 that episodes in flight together had different uids, that ``/tmp`` was empty
-and that ``/work`` held the same files in every episode of a task (what the
-environment wrote, no other episode's leftovers); the Beam job's trajectories
-count every episode.
+and ``/work`` held exactly the files of the episode's task (as recorded in its
+``episode_started``; no other episode's leftovers); the Beam job's
+trajectories count every episode.
 """
 
 from __future__ import annotations
@@ -86,15 +86,18 @@ def test_each_pooled_episode_had_a_sandbox_of_its_own(kafka_broker, topic_name, 
         f"where event_type = 'step' and step.step_index = 0 order by episode_id").fetchall()
     finished = dict(con.execute(f"select episode_id, event_time from {events} where event_type = 'episode_finished'").fetchall())
     started = dict(con.execute(f"select episode_id, event_time from {events} where event_type = 'episode_started'").fetchall())
+    specs = dict(con.execute(f"select episode_id, episode_started.task_spec from {events} "
+                             "where event_type = 'episode_started'").fetchall())
     assert len(probes) == episodes
-    seen_cgroups, spans, work_by_task = set(), [], {}
-    for episode_id, tool_result, task_id in probes:
+    seen_cgroups, spans = set(), []
+    for episode_id, tool_result, _ in probes:
         stdout = json.loads(tool_result)["stdout"]
         work, tmp, rest = stdout.split("---\n")
         uid, cgroup = rest.split()
         assert tmp == "", (episode_id, stdout)  # nothing in /tmp
-        # /work holds what the env wrote for this task, the same for every episode of the task
-        assert work.split() and work_by_task.setdefault(task_id, work) == work, (task_id, work, work_by_task[task_id])
+        # /work holds exactly what the environment wrote for this episode's task
+        task_files = json.loads(specs[episode_id])["files"]
+        assert sorted(work.split()) == sorted({f.split("/")[0] for f in task_files}), (episode_id, work, task_files)
         assert "/trajpipe-sandboxes/sb-" in cgroup and uid.isdigit(), stdout
         assert cgroup not in seen_cgroups, f"two episodes shared sandbox {cgroup}"
         seen_cgroups.add(cgroup)
