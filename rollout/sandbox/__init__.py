@@ -9,6 +9,7 @@ module                 job
 =====================  =====================================================
 ``core``               :class:`Sandbox`: wires the pieces below together
 ``argv``               bwrap arguments, environment, binds (what is visible)
+``launch``             the spawn: ``vfork``-able, ``chroot --userspec`` drops the uid
 ``uids``               private uid per sandbox, subreaper, reaping
 ``cgroups``            per-sandbox cgroup v2 / v1 limits and event counters
 ``rlimits``            per-process rlimits (and the no-cgroup fallback)

@@ -15,7 +15,8 @@ Nothing of the worker reaches the sandbox through the spawn:
   last three before the command runs (``close_fds`` drops the rest).
 
 Visible inside, read-only: ``/usr`` (and the ``/bin``, ``/lib*`` links), the
-few ``/etc`` files in :data:`ETC_FILES`, the interpreter prefix when it is not
+few ``/etc`` files in :data:`ETC_FILES` (an up-to-date copy bound at ``/etc``
+in one mount, :mod:`rollout.sandbox.etc`), the interpreter prefix when it is not
 under ``/usr``, and ``extra_ro_binds``. Writable: ``/work`` and ``/tmp`` (this
 sandbox's own directories). ``/proc`` is the sandbox's own pid namespace,
 ``/dev`` a minimal tmpfs (null, zero, full, random, urandom, tty, pts).
@@ -23,18 +24,21 @@ sandbox's own directories). ``/proc`` is the sandbox's own pid namespace,
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from rollout.sandbox.errors import SandboxUnavailable
+from rollout.sandbox.etc import ETC_FILES, etc_copy
 
 __all__ = [
     "WORK_MOUNT",
     "ETC_FILES",
     "SANDBOX_ENV",
+    "HostTools",
     "host_tools",
     "sandbox_python",
     "static_bwrap_args",
@@ -45,18 +49,6 @@ __all__ = [
 #: Path of the work directory inside the sandbox.
 WORK_MOUNT = "/work"
 
-#: Host files bound read-only (when present): the dynamic loader's config, users, time zone.
-ETC_FILES = (
-    "/etc/alternatives",
-    "/etc/ld.so.cache",
-    "/etc/ld.so.conf",
-    "/etc/ld.so.conf.d",
-    "/etc/localtime",
-    "/etc/passwd",
-    "/etc/group",
-    "/etc/nsswitch.conf",
-    "/etc/os-release",
-)
 _TOP_LEVEL_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 #: The whole environment of bwrap and of every sandboxed command (fixed for reproducibility).
@@ -79,8 +71,17 @@ def _which(name: str) -> str | None:
     return shutil.which(name, path=os.environ.get("PATH", "") + ":" + _SYSTEM_PATH)
 
 
-def host_tools() -> tuple[str, str]:
-    """Absolute paths of ``bwrap`` and ``prlimit``.
+class HostTools(NamedTuple):
+    """Absolute paths of the host programs a sandbox run execs."""
+
+    bwrap: str
+    prlimit: str
+    chroot: str
+
+
+@functools.cache
+def host_tools() -> HostTools:
+    """Absolute paths of ``bwrap``, ``prlimit`` and ``chroot`` (looked up once per process).
 
     Raises:
         SandboxUnavailable: one of them is not installed.
@@ -91,10 +92,13 @@ def host_tools() -> tuple[str, str]:
             "bubblewrap (`bwrap`) is not installed; install it with "
             "`apt-get install -y bubblewrap` (Debian/Ubuntu) or `dnf install bubblewrap`"
         )
-    prlimit = _which("prlimit")
-    if prlimit is None:
-        raise SandboxUnavailable("`prlimit` (util-linux) is not installed; install util-linux")
-    return os.path.realpath(bwrap), os.path.realpath(prlimit)
+    found = {}
+    for name, package in (("prlimit", "util-linux"), ("chroot", "coreutils")):
+        path = _which(name)
+        if path is None:
+            raise SandboxUnavailable(f"`{name}` ({package}) is not installed; install {package}")
+        found[name] = os.path.realpath(path)
+    return HostTools(os.path.realpath(bwrap), found["prlimit"], found["chroot"])
 
 
 def sandbox_python() -> str:
@@ -134,9 +138,6 @@ def static_bwrap_args() -> list[str]:
             args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
-    for path in ETC_FILES:
-        if os.path.exists(path):
-            args += ["--ro-bind", path, path]
     args += _python_binds()
     args += ["--proc", "/proc", "--dev", "/dev"]
     _static_cache = args
@@ -166,6 +167,11 @@ def bwrap_args(
             command (the cgroup backends move it into the cgroup first), or None.
     """
     args = list(static_bwrap_args())
+    if any(p == "/etc" or p.startswith("/etc/") for p in extra_ro_binds):
+        # a bind inside /etc needs a mount point, which a read-only bound copy cannot get: bind file by file
+        args += [a for path in ETC_FILES if os.path.exists(path) for a in ("--ro-bind", path, path)]
+    else:
+        args += ["--ro-bind", str(etc_copy()), "/etc"]
     for path in extra_ro_binds:
         args += ["--ro-bind", path, path]
     args += [

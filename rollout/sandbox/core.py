@@ -9,14 +9,16 @@ mechanism and is documented and testable on its own:
 * :mod:`~rollout.sandbox.cgroups` / :mod:`~rollout.sandbox.rlimits` - the resource limits;
 * :mod:`~rollout.sandbox.pump` - output bounds and the wall clock;
 * :mod:`~rollout.sandbox.verdict` - why a command stopped, from kernel facts;
-* :mod:`~rollout.sandbox.files` - host-side file I/O, manifests, snapshots.
+* :mod:`~rollout.sandbox.files` - host-side file I/O, manifests, snapshots;
+* :mod:`~rollout.sandbox.launch` - the spawn (``vfork``-able; ``chroot --userspec`` drops the uid).
 
 One run::
 
-    prlimit --cpu --fsize --nofile --core [--data --nproc]     (rlimits)
-      bwrap --args <memfd> --                                  (env: SANDBOX_ENV only)
-            [--block-fd: pid 1 waits until it is in the sandbox cgroup]
-        <command>
+    [chroot --userspec=+U:+G --groups= --skip-chdir /]    (worker is root)
+      prlimit --cpu --fsize --nofile --core [--data --nproc] --  (rlimits)
+        bwrap --args <memfd> --                            (env: SANDBOX_ENV only)
+              [--block-fd: pid 1 waits until it is in the sandbox cgroup]
+          <command>
 """
 
 from __future__ import annotations
@@ -24,26 +26,25 @@ from __future__ import annotations
 import json
 import os
 import resource
-import shutil
 import signal
 import subprocess
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Sequence
 
-from rollout.sandbox.argv import SANDBOX_ENV, args_memfd, bwrap_args, host_tools
-from rollout.sandbox.cgroups import SandboxCgroup, create_cgroup, detect_cgroups
+from rollout.sandbox.argv import args_memfd, bwrap_args, host_tools
+from rollout.sandbox.cgroups import SandboxCgroup, detect_cgroups
 from rollout.sandbox.errors import SandboxError, SandboxUnavailable
 from rollout.sandbox.files import SnapshotId, WorkDir, diff_manifests, has_file_of_size
+from rollout.sandbox.launch import launch_argv, start_bwrap
 from rollout.sandbox.limits import SandboxLimits
 from rollout.sandbox.pump import kill_group, pump, read_available, read_status_until
 from rollout.sandbox.results import CommandResult
 from rollout.sandbox.rlimits import prlimit_args
+from rollout.sandbox.slots import take_slot
 from rollout.sandbox.uids import (
-    UidLease,
     become_subreaper,
     check_traversable,
     reap_adopted,
@@ -74,12 +75,15 @@ class Sandbox:
             one, else rlimits), ``cgroup`` (require a cgroup) or ``rlimit``.
         cgroup_parent: a delegated cgroup v2 directory to create sandbox
             cgroups under (default: this process's own cgroup).
+        pool_size: keep this many sandboxes' host state (directories, uid,
+            cgroup) made ahead by a background thread, per (root, limits,
+            cgroup hierarchy); 0 makes it here. Never reused: see :mod:`~rollout.sandbox.slots`.
 
     Attributes:
         limits_backend: the mechanism in force: ``cgroup2``, ``cgroup1`` or ``rlimit``.
 
     Raises:
-        SandboxUnavailable: bubblewrap or prlimit is missing, bwrap cannot
+        SandboxUnavailable: bubblewrap, prlimit or chroot is missing, bwrap cannot
             create namespaces here, or ``limits_backend="cgroup"`` and no cgroup is delegated.
         ValueError: an unknown ``limits_backend`` or a relative ``extra_ro_binds`` entry.
 
@@ -98,11 +102,12 @@ class Sandbox:
         extra_ro_binds: Sequence[str] = (),
         limits_backend: str = "auto",
         cgroup_parent: str | None = None,
+        pool_size: int = 2,
     ) -> None:
         if limits_backend not in LIMITS_BACKENDS:
             raise ValueError(f"`limits_backend` must be one of {', '.join(LIMITS_BACKENDS)}, got {limits_backend!r}")
         self.limits = limits or SandboxLimits()
-        self._bwrap, self._prlimit = host_tools()
+        self._tools = host_tools()
         self._extra_ro_binds = tuple(extra_ro_binds)
         for path in self._extra_ro_binds:
             if not os.path.isabs(path):
@@ -120,31 +125,16 @@ class Sandbox:
         self.root = Path(workdir_root)
         self.root.mkdir(parents=True, exist_ok=True)
         check_traversable(self.root)
-        self.sandbox_id = uuid.uuid4().hex[:16]
-        self.dir = self.root / f"sb-{self.sandbox_id}"
-        self._lease = UidLease()
         become_subreaper()
+        self._slot = take_slot(self.root, limits=self.limits, support=support, pool_size=pool_size)
+        self.sandbox_id, self.dir = self._slot.sandbox_id, self._slot.dir
+        self._lease = self._slot.lease
         self.uid, self.gid = self._lease.uid, self._lease.gid
-        self.work = self.dir / "work"
-        self._tmp = self.dir / "tmp"
-        snapshots = self.dir / "snapshots"
-        self._cgroup: SandboxCgroup | None = None
-        try:
-            self.dir.mkdir(mode=0o711)
-            os.chmod(self.dir, 0o711)
-            for sub in (self.work, self._tmp):
-                sub.mkdir(mode=0o755)
-                os.chown(sub, self.uid, self.gid)
-            snapshots.mkdir(mode=0o700)
-            if support is not None:
-                self._cgroup = create_cgroup(support, self.sandbox_id, self.limits)
-        except (OSError, SandboxError):
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self._lease.release()
-            raise
+        self.work, self._tmp = self._slot.work, self._slot.tmp
+        self._cgroup: SandboxCgroup | None = self._slot.cgroup
         self.limits_backend = self._cgroup.kind if self._cgroup is not None else "rlimit"
         self._counters = self._cgroup.counters() if self._cgroup is not None else (0, 0)
-        self._files = WorkDir(self.work, snapshots, uid=self.uid, gid=self.gid,
+        self._files = WorkDir(self.work, self._slot.snapshots, uid=self.uid, gid=self.gid,
                               hash_bytes=self.limits.manifest_hash_bytes,
                               max_files=self.limits.max_manifest_files)
         self._closed = False
@@ -174,10 +164,7 @@ class Sandbox:
         if self._closed:
             return
         self._closed = True
-        if self._cgroup is not None:
-            self._cgroup.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-        self._lease.release()
+        self._slot.destroy()
 
     def __del__(self) -> None:  # last resort; close() is the contract
         try:
@@ -293,7 +280,9 @@ class Sandbox:
         data_in = stdin.encode() if isinstance(stdin, str) else stdin
         started = time.monotonic()
         proc, status_r, block_w = self._spawn(argv_cmd, with_stdin=bool(data_in))
-        # bwrap's outer process inherits our peak RSS: exec records the old (forked) mm's high-water mark in the
+        if self._cgroup is not None:
+            self._cgroup.warm()  # the attach's grace period elapses while bwrap sets up its namespaces
+        # bwrap's outer process inherits our peak RSS: exec records the old (vforked: our) mm's high-water mark in the
         # new program's ru_maxrss. Read after the fork (a peak only grows), its own wait4 peak means something
         # only above this bound.
         spawner_peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -337,7 +326,7 @@ class Sandbox:
         )
 
     def _spawn(self, argv_cmd: list[str], *, with_stdin: bool) -> tuple[subprocess.Popen, int, int | None]:
-        """Start prlimit+bwrap with nothing of the worker's: env, cwd, fds and argv are all ours."""
+        """Start bwrap (behind chroot/prlimit) with nothing of the worker's: env, cwd, fds and argv are all ours."""
         status_r, status_w = os.pipe()
         block_r, block_w = os.pipe() if self._cgroup is not None else (None, None)
         own = [status_w] + ([block_r] if block_r is not None else [])
@@ -354,24 +343,11 @@ class Sandbox:
         nproc = None
         if self._cgroup is None:
             nproc = self.limits.max_processes + (0 if self._lease.private else uid_process_count(self.uid))
-        argv = [self._prlimit, *prlimit_args(self.limits, fallback_nproc=nproc), "--",
-                self._bwrap, "--args", str(memfd), "--", *argv_cmd]
-        kwargs: dict = {}
-        if os.geteuid() == 0:
-            kwargs = {"user": self.uid, "group": self.gid, "extra_groups": []}
+        argv = launch_argv(self._tools, drop_to=(self.uid, self.gid) if os.geteuid() == 0 else None,
+                           prlimit_opts=prlimit_args(self.limits, fallback_nproc=nproc),
+                           memfd=memfd, cmd=argv_cmd)
         try:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.PIPE if with_stdin else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=tuple(own),
-                env=dict(SANDBOX_ENV),
-                cwd="/",
-                start_new_session=True,
-                close_fds=True,
-                **kwargs,
-            )
+            proc = start_bwrap(argv, with_stdin=with_stdin, pass_fds=own)
         except OSError as err:
             os.close(status_r)
             if block_w is not None:
