@@ -1135,6 +1135,9 @@ def _demo_loop_config(workdir: Path, model: Path) -> Path:
 
 def main() -> None:
     """Console-script entry point."""
+    from trajpipe.lifeline import exit_with_parent
+
+    exit_with_parent()  # a part of `trajpipe loop`: end with the loop (trajpipe/lifeline.py)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("kafka").setLevel(logging.WARNING)
     logging.getLogger("apache_beam").setLevel(logging.WARNING)

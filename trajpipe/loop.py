@@ -66,6 +66,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from streams.config import ConfigError
 from trainer.config import describe_validation_error
+from trajpipe.lifeline import lifeline_env
 
 __all__ = ["LoopConfig", "LoopConfigError", "load_loop_config", "run_loop", "summarize", "LoopPaths"]
 
@@ -306,6 +307,7 @@ class Child:
     stopping: bool = False
     argv_on_restart: Callable[[], list[str]] | None = None
     spool: Path | None = None  # its producer spool (TRAJPIPE_SPOOL_DIR)
+    exit_with_loop: bool = True  # SIGTERM when the loop dies (trajpipe/lifeline.py); not the broker's starter
 
     def start(self, env: dict[str, str]) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -314,9 +316,12 @@ class Child:
         err.write(f"\n==== {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} $ {' '.join(self.argv)}\n".encode())
         err.flush()
         # Own session: a Ctrl-C at the terminal reaches the loop only, which stops the children in order.
+        # The lifeline: a loop killed itself (kill -9) cannot stop them, so each ends by itself when the loop
+        # dies (PR_SET_PDEATHSIG fires when the starting *thread* exits: children are started from the main one).
         # Own spool dir: two producers may not share one (and never the caller's working directory).
-        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                     env={**env, **({"TRAJPIPE_SPOOL_DIR": str(self.spool)} if self.spool else {})},
+        child_env = {**env, **({"TRAJPIPE_SPOOL_DIR": str(self.spool)} if self.spool else {}),
+                     **(lifeline_env(os.getpid()) if self.exit_with_loop else {})}
+        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=child_env,
                                      start_new_session=True)
         err.close()
         if out is not err:
@@ -496,7 +501,8 @@ class Loop:
             port = self.cfg.broker.port or _free_port(self.state.get("broker_port"))
             child = Child("broker", _trajpipe("broker", "start", "--engine", self.cfg.broker.engine, "--port",
                                               str(port), "--data-dir", str(self.paths.broker)),
-                          self.paths.logs / "broker.log", stdout=self.paths.logs / "broker.out")
+                          self.paths.logs / "broker.log", stdout=self.paths.logs / "broker.out",
+                          exit_with_loop=False)  # the broker outlives a killed loop; --resume reuses it
             child.start(self.env)
             code = child.wait(180)
             if code != 0:
