@@ -856,6 +856,7 @@ class Loop:
 
     def run(self) -> dict[str, Any]:
         self.prepare()
+        self._evals_seen = len(self.evaluations())  # --resume: announce only what this invocation evaluates
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.start_broker()
         _write_json(self.paths.state, self.state)
