@@ -459,7 +459,8 @@ class Loop:
         _write_json(self.paths.state, self.state)
 
     def _stop_leftovers(self) -> None:
-        """Children of a loop that was killed itself keep running in their sessions: stop them (recorded pids)."""
+        """Stop children of a killed loop still up (recorded pids): they end with the loop (trajpipe/lifeline.py),
+        but one may be slow to, and without PR_SET_PDEATHSIG (not Linux) none does."""
         for name, pid in (self.state.get("pids") or {}).items():
             if _pid_alive_with(int(pid), str(self.paths.root)):
                 self.echo(f"loop: stopping {name} (pid {pid}) left over by the previous invocation")
