@@ -13,7 +13,16 @@ Which version: :func:`resolve_version` reads the ``policy_published`` events of
 the control topic (the trainer publishes each version there, see
 :mod:`trainer.publish`) and returns the one asked for, or the newest.
 :func:`follow_evaluations` evaluates the newest version at start and then
-every version published after it, in order, until ``stop`` is set.
+every version published after it, in order, until ``stop`` is set. Given a
+consumer group (``ControlReader(group_id=...)``, ``trajpipe eval --follow
+--group G``) it is resumable: after each finished evaluation (every task run,
+its events flushed) it commits the offset after that version's
+``policy_published`` record, and a follower started later evaluates every
+version from the group's committed offset on (from the topic's start for a
+new group), the ones published while no follower ran included. An evaluation
+cut short by ``stop`` is not committed, so it is run again. Delivery is
+at-least-once: a follower stopped between the flush and the commit evaluates
+that version once more (another ``eval_run`` in the ``evaluations`` table).
 
 The result (:class:`EvalResult`) counts episodes and passes per
 ``<domain>/<level>``; ``pass_rate`` is ``passed / episodes`` over the episodes
@@ -53,6 +62,7 @@ from rollout.envs import Task
 from schemas.codec import EventDecodeError, decode_event
 from schemas.events import PURPOSE_EVAL, EpisodeStatus, Event, PolicyPublished, SamplingParams
 from streams.config import KafkaConnection
+from streams.consumer import commit_offsets
 from streams.errors import check_kafka
 
 __all__ = [
@@ -159,11 +169,13 @@ class EvalResult(msgspec.Struct, kw_only=True):
         events: events emitted.
         by_domain_level: per ``<domain>/<level>`` counts.
         elapsed_s: wall time, seconds.
+        tasks: held-out tasks it was to run (one episode each); ``episodes < tasks`` once cut short.
     """
 
     policy_version: int
     policy_lineage: str = ""
     eval_run: str = ""
+    tasks: int = 0
     episodes: int = 0
     passed: int = 0
     pass_rate: float = 0.0
@@ -173,6 +185,11 @@ class EvalResult(msgspec.Struct, kw_only=True):
     events: int = 0
     by_domain_level: dict[str, LevelResult] = msgspec.field(default_factory=dict)
     elapsed_s: float = 0.0
+
+    @property
+    def complete(self) -> bool:
+        """Every task ran to a result (none aborted or left unstarted by a stop)."""
+        return self.tasks > 0 and self.episodes == self.tasks
 
     def summary(self) -> dict:
         """The last-line JSON object of ``trajpipe eval``."""
@@ -230,7 +247,7 @@ def run_evaluation(policy: Policy, *, emit: Callable[[Event], None], config: Eva
     level_of = {t.task_id: f"{t.domain}/{t.difficulty}" for t in tasks}
     eval_run = eval_run or f"eval-v{policy.policy_version}-{uuid.uuid4().hex[:8]}"
     result = EvalResult(policy_version=policy.policy_version, policy_lineage=getattr(policy, "policy_lineage", ""),
-                        eval_run=eval_run,
+                        eval_run=eval_run, tasks=len(tasks),
                         by_domain_level={f"{d}/{lvl}": LevelResult() for d in config.domains for lvl in config.levels})
     rewards: list[float] = []
 
@@ -281,11 +298,15 @@ def load_policy(kind: str, location: str, *, version: int, lineage: str = "", co
 
 
 class ControlReader:
-    """Reads the ``policy_published`` events of the control topic from its beginning (no group, no commits).
+    """Reads the ``policy_published`` events of the control topic from its beginning.
 
     Args:
         conn: the cluster.
         topic: the control topic.
+        group_id: a consumer group whose committed offsets record the versions already handled
+            (:meth:`commit`, :meth:`unhandled`); None: no group, nothing committed.
+        lineage: only versions of this lineage (another run may publish its own v1, v2, ... on the same
+            topic); None: every version (the first event of a version number wins).
 
     Use as a context manager. :meth:`read_to_end` returns every version published so far;
     :meth:`poll` the ones published since the last call.
@@ -296,13 +317,17 @@ class ControlReader:
     Wrap its use in :func:`streams.errors.kafka_access_errors` to turn a missing ACL into one clear error.
     """
 
-    def __init__(self, conn: KafkaConnection, topic: str) -> None:
+    def __init__(self, conn: KafkaConnection, topic: str, *, group_id: str | None = None,
+                 lineage: str | None = None) -> None:
         check_kafka(conn)
         self.topic = topic
-        self._consumer = KafkaConsumer(**conn.client_kwargs(), group_id=None, enable_auto_commit=False,
+        self.group_id = group_id
+        self.lineage = lineage
+        self._consumer = KafkaConsumer(**conn.client_kwargs(), group_id=group_id, enable_auto_commit=False,
                                        auto_offset_reset="earliest")
         self._tps: list[TopicPartition] = []
         self.versions: dict[int, PolicyPublished] = {}
+        self._position: dict[int, tuple[int, int]] = {}  # version -> (partition, offset) of its record
 
     def __enter__(self) -> ControlReader:
         return self
@@ -334,9 +359,13 @@ class ControlReader:
                 except EventDecodeError as err:
                     log.warning("undecodable record on %s[%d]@%d: %s", rec.topic, rec.partition, rec.offset, err)
                     continue
-                if isinstance(event, PolicyPublished) and event.version not in self.versions:
-                    self.versions[event.version] = event
-                    new.append(event)
+                if not isinstance(event, PolicyPublished) or event.version in self.versions:
+                    continue
+                if self.lineage is not None and event.lineage != self.lineage:
+                    continue
+                self.versions[event.version] = event
+                self._position[event.version] = (rec.partition, rec.offset)
+                new.append(event)
         return sorted(new, key=lambda e: e.version)
 
     def read_to_end(self, *, timeout_s: float = 30.0) -> dict[int, PolicyPublished]:
@@ -357,6 +386,35 @@ class ControlReader:
             time.sleep(timeout_ms / 1000)
             return []
         return self._take(self._consumer.poll(timeout_ms=timeout_ms))
+
+    def _committed(self) -> dict[int, int]:
+        if self.group_id is None or not self._assign():
+            return {}
+        return {tp.partition: self._consumer.committed(tp) or 0 for tp in self._tps}
+
+    def unhandled(self) -> list[PolicyPublished]:
+        """The versions read so far whose record is at or after the group's committed offset, oldest first.
+
+        Raises:
+            EvalError: the reader has no ``group_id``.
+        """
+        if self.group_id is None:
+            raise EvalError("ControlReader.unhandled() needs a `group_id`")
+        committed = self._committed()
+        return sorted((e for v, e in self.versions.items()
+                       if self._position[v][1] >= committed.get(self._position[v][0], 0)), key=lambda e: e.version)
+
+    def commit(self, event: PolicyPublished) -> None:
+        """Record ``event``'s version as handled: the group's offset moves past its record (never back).
+
+        Call it only once the evaluation is durable (its events flushed). Without a ``group_id``: nothing.
+        """
+        if self.group_id is None or event.version not in self._position:
+            return
+        partition, offset = self._position[event.version]
+        tp = TopicPartition(self.topic, partition)
+        if (self._consumer.committed(tp) or 0) <= offset:
+            commit_offsets(self._consumer, {tp: offset + 1})
 
 
 def resolve_version(versions: dict[int, PolicyPublished], wanted: str | int, *, topic: str) -> PolicyPublished:
@@ -400,18 +458,23 @@ def follow_evaluations(reader: ControlReader, *, kind: str, config: EvalConfig, 
                        on_result: Callable[[EvalResult], None], poll_ms: int = 500,
                        progress_for: Callable[[int], Callable[[EpisodeResult, RolloutCounts], None]] | None = None,
                        ) -> list[EvalResult]:
-    """Evaluate the newest published version, then every version published after it, until ``stop``.
+    """Evaluate published versions in order until ``stop``: the backlog at start, then each new one.
 
-    Versions are evaluated in order, none skipped (a slow evaluation falls
-    behind rather than leaving a version without its row in ``evaluations``).
-    A version whose weights cannot be loaded is logged and skipped.
+    The backlog: with a consumer group (``reader.group_id``), every version the group has not handled yet
+    (:meth:`ControlReader.unhandled`: all of them for a new group), so a follower restarted after a crash or a
+    stop evaluates the versions published meanwhile; without one, the newest version only.
+
+    Versions are evaluated in order, none skipped (a slow evaluation falls behind rather than leaving a
+    version without its row in ``evaluations``). A version whose weights cannot be loaded is logged and
+    skipped (and committed: it will not load next time either). With a group, a finished evaluation
+    (:attr:`EvalResult.complete`) is committed after ``flush``; one cut short by ``stop`` is not.
 
     Args:
         reader: the control topic.
         kind: ``hf`` or ``vllm``.
         config: what each evaluation runs.
         emit: sends the episodes' events.
-        flush: makes them durable (called after each evaluation, before ``on_result``).
+        flush: makes them durable (called after each evaluation, before the commit and ``on_result``).
         stop: ends the loop (an evaluation in flight aborts its episodes and is still reported).
         on_result: called with each evaluation's result (the CLI prints its line).
         poll_ms: longest wait for a publication between checks of ``stop``.
@@ -421,7 +484,13 @@ def follow_evaluations(reader: ControlReader, *, kind: str, config: EvalConfig, 
         The results, in order.
     """
     state = _Follow()
-    pending = sorted(reader.read_to_end().values(), key=lambda e: e.version)[-1:]  # the newest at start
+    published = reader.read_to_end()
+    if reader.group_id is not None:
+        pending = reader.unhandled()
+    else:
+        pending = sorted(published.values(), key=lambda e: e.version)[-1:]  # the newest at start
+    if pending:
+        log.info("evaluating %s, then each version published after", ", ".join(f"v{e.version}" for e in pending))
     while not stop.is_set():
         if not pending:
             pending = [e for e in reader.poll(timeout_ms=poll_ms) if e.version > state.last]
@@ -432,11 +501,14 @@ def follow_evaluations(reader: ControlReader, *, kind: str, config: EvalConfig, 
                                         config=config) if state.policy is None else reload_policy(state.policy, event))
         except (OSError, ValueError, TypeError) as err:
             log.error("cannot load policy version %d from %s: %s; skipping it", event.version, event.location, err)
+            reader.commit(event)
             state.last = event.version
             continue
         result = run_evaluation(state.policy, emit=emit, config=config, stop=stop,
                                 on_episode=progress_for(event.version) if progress_for is not None else None)
         flush()
+        if result.complete:
+            reader.commit(event)
         state.last = event.version
         state.results.append(result)
         on_result(result)

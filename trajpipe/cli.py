@@ -783,6 +783,10 @@ def eval_(
     concurrency: Annotated[int, typer.Option(help="episodes in flight")] = 4,
     follow: Annotated[bool, typer.Option("--follow", help="evaluate every newly published version until stopped")
                       ] = False,
+    group: Annotated[Optional[str], typer.Option(help="--follow: consumer group recording the versions evaluated; a "
+                                                 "restart evaluates every version this group has not (all for a new "
+                                                 "group)")] = None,
+    lineage: Annotated[Optional[str], typer.Option(help="only versions of this lineage")] = None,
     bootstrap: BootstrapOpt = None,
     config: ConfigOpt = None,
 ) -> None:
@@ -792,7 +796,7 @@ def eval_(
     run_eval(bootstrap=bootstrap, config=config, policy_version=policy_version, model=model, policy=policy,
              domains=domains, levels=levels, tasks_per_level=tasks_per_level, max_steps=max_steps,
              max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, concurrency=concurrency,
-             follow=follow)
+             follow=follow, group=group, lineage=lineage)
 
 
 @audit_app.command("logprobs")
@@ -1135,6 +1139,9 @@ def _demo_loop_config(workdir: Path, model: Path) -> Path:
 
 def main() -> None:
     """Console-script entry point."""
+    from trajpipe.lifeline import exit_with_parent
+
+    exit_with_parent()  # a part of `trajpipe loop`: end with the loop (trajpipe/lifeline.py)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("kafka").setLevel(logging.WARNING)
     logging.getLogger("apache_beam").setLevel(logging.WARNING)

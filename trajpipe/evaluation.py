@@ -33,7 +33,8 @@ def _ints(flag: str, text: str) -> tuple[int, ...]:
 
 def run_eval(*, bootstrap: str | None, config: str | None, policy_version: str | None, model: Path | None,
              policy: str, domains: str, levels: str, tasks_per_level: int, max_steps: int, max_tokens: int,
-             temperature: float, top_p: float, seed: int, concurrency: int, follow: bool) -> None:
+             temperature: float, top_p: float, seed: int, concurrency: int, follow: bool,
+             group: str | None = None, lineage: str | None = None) -> None:
     """Run ``trajpipe eval`` (see the command's help); prints one JSON line per evaluated version."""
     from trajpipe.cli import _check_model_dir, _fail, _print_counts, _progress, _published_policy
 
@@ -43,6 +44,11 @@ def run_eval(*, bootstrap: str | None, config: str | None, policy_version: str |
     if follow and model is not None:
         _fail("`--follow` evaluates versions published on the control topic; use it with `--policy-version latest`, "
               "not `--model`")
+    if group is not None and not follow:
+        _fail("`--group` records what `--follow` has evaluated (so a restart evaluates the versions published "
+              "meanwhile); use it with `--follow`")
+    if group is not None and not group.strip():
+        _fail("`--group` is empty; give a consumer group id, e.g. trajpipe-eval-<run>")
     if policy not in ("hf", "vllm"):
         _fail(f"`--policy` {policy!r} is not one of hf, vllm")
     if policy_version is not None and policy_version != "latest" and not policy_version.isdigit():
@@ -89,12 +95,12 @@ def run_eval(*, bootstrap: str | None, config: str | None, policy_version: str |
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    typer.echo(f"eval: {json.dumps({'domains': cfg.domains, 'levels': cfg.levels, 'tasks_per_level': tasks_per_level, 'policy': policy, 'policy_version': policy_version, 'model': str(model) if model else None, 'temperature': temperature, 'max_steps': max_steps, 'max_tokens': max_tokens, 'follow': follow, 'topic': topics.events})}", err=True)
+    typer.echo(f"eval: {json.dumps({'domains': cfg.domains, 'levels': cfg.levels, 'tasks_per_level': tasks_per_level, 'policy': policy, 'policy_version': policy_version, 'model': str(model) if model else None, 'temperature': temperature, 'max_steps': max_steps, 'max_tokens': max_tokens, 'follow': follow, 'group': group, 'lineage': lineage, 'topic': topics.events})}", err=True)
 
     # Its own spool directory: a rollout worker on the same machine spools the same topic to settings.spool_dir.
     spool = Path(settings.spool_dir) / "eval"
     with kafka_access_errors(conn, what=f"read topic {topics.control!r} and write {topics.events!r}"), \
-            ControlReader(conn, topics.control) as reader, \
+            ControlReader(conn, topics.control, group_id=group, lineage=lineage) as reader, \
             EventProducer(conn, topics.events, spool_dir=spool) as producer, _progress() as bar:
         def progress_for(version: int):
             task = bar.add_task(f"eval v{version}", total=len(eval_tasks(cfg)), rate="")

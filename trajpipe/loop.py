@@ -14,7 +14,7 @@ The processes (every one a plain ``trajpipe`` command, its argv in ``<run_dir>/l
     archiver      trajpipe archive --out <run_dir>/archive               (following the topic)
     pipeline      trajpipe pipeline run --source kafka --out <run_dir>/data --loop S   (or --mode stream)
     trainer       trajpipe train --config <run_dir>/train.yaml           (online: tail, staleness cap, publish)
-    evaluator     trajpipe eval --follow --policy-version latest ...     (held-out tasks of each version)
+    evaluator     trajpipe eval --follow --group G --lineage L ...       (held-out tasks of each version, in order)
 
 **Budget.** ``budget.seconds`` of wall clock for this invocation and/or ``budget.policy_versions`` versions
 published in the run (counted over resumes: the run stops once the newest version is the warm start's plus
@@ -23,11 +23,12 @@ that many). Whichever comes first stops the loop cleanly.
 **Clean stop** (budget, Ctrl-C, SIGTERM), in this order, so nothing acknowledged is lost and nothing is left
 half-made: the rollout workers (they finish or abort their episodes and flush their producers), the trainer
 (its checkpoints are taken at every publish, so it resumes from the last published version), the evaluator
-once it has reported the newest version (bounded by ``drain_timeout_s``; a version the follower skipped,
-published while it was busy or down, gets a one-off ``trajpipe eval --policy-version V``), then the pipeline
-once its
+once it has reported the newest version (bounded by ``drain_timeout_s``), then the pipeline once its
 commits cover every event in the topic, then the archiver once its commits do; the embedded broker last.
 Events a process has not consumed stay in Kafka: a later ``--resume`` reads them from the committed offsets.
+Likewise the evaluator's versions: it follows the control topic as a consumer group (``eval_group`` in
+``loop.json``) and commits a version only once its evaluation finished, so the versions it has not
+evaluated by the stop are evaluated first by the next ``--resume``.
 
 **A child that dies unexpectedly** (any exit before the stop) is restarted with the same command (the
 trainer with ``--resume`` once it has a checkpoint), at most ``restarts.max_per_child`` times per child
@@ -37,8 +38,15 @@ archive and dataset manifests (Kafka offsets), the trainer checkpoint, the sched
 
 **Resume** (``--resume``) continues the run in ``run_dir``: same broker data dir (and port when free), same
 lineage, trainer ``--resume`` from its latest checkpoint (version sequence continues), each rollout
-worker's scheduler state, the archive's and the datasets' committed offsets. Processes left over by a loop
-that was killed itself (kill -9) are found by their recorded pids and stopped first.
+worker's scheduler state, the archive's and the datasets' committed offsets, the evaluator's group (every
+version of the run without a finished evaluation, in order, then the new ones).
+
+**A loop killed itself** (kill -9, the OOM killer) cannot stop its children in order, so each ends by itself:
+the kernel sends it SIGTERM when the loop dies (:mod:`trajpipe.lifeline`), and it stops as at a clean stop
+(the trainer at once, or after the publish and checkpoint in hand; the evaluator without committing the
+evaluation in flight). Nothing goes on publishing versions that nothing evaluates. ``--resume`` still looks
+for processes left over (by their recorded pids) and stops them first: a child slow to stop, or a system
+without ``PR_SET_PDEATHSIG``.
 
 The last stdout line is one JSON object (:func:`summarize`).
 """
@@ -66,6 +74,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from streams.config import ConfigError
 from trainer.config import describe_validation_error
+from trajpipe.lifeline import lifeline_env
 
 __all__ = ["LoopConfig", "LoopConfigError", "load_loop_config", "run_loop", "summarize", "LoopPaths"]
 
@@ -215,7 +224,17 @@ def load_loop_config(path: str | Path) -> LoopConfig:
 def read_evaluations(path: Path) -> dict[int, dict[str, Any]]:
     """The evaluator's JSON lines (``trajpipe eval --follow``) by policy version; the newest line of a version wins.
 
-    An evaluation cut short by a stop reports 0 episodes: it did not evaluate the version and is skipped.
+    Only finished evaluations count: one cut short by a stop (fewer ``episodes`` than ``tasks``, or any
+    ``aborted``) did not evaluate the version and is skipped; the evaluator runs it again (its consumer group
+    was not committed).
+
+    Examples:
+        >>> import tempfile, pathlib
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "evals.jsonl"
+        >>> _ = p.write_text('{"policy_version": 1, "pass_rate": 0.5, "tasks": 2, "episodes": 2, "aborted": 0}\\n'
+        ...                  '{"policy_version": 2, "pass_rate": 0.0, "tasks": 2, "episodes": 1, "aborted": 1}\\n')
+        >>> sorted(read_evaluations(p))
+        [1]
     """
     out: dict[int, dict[str, Any]] = {}
     try:
@@ -228,7 +247,7 @@ def read_evaluations(path: Path) -> dict[int, dict[str, Any]]:
         except ValueError:
             continue
         if isinstance(doc, dict) and isinstance(doc.get("policy_version"), int) and "pass_rate" in doc \
-                and doc.get("episodes"):
+                and doc.get("episodes") and not doc.get("aborted") and doc["episodes"] >= doc.get("tasks", 0):
             out[doc["policy_version"]] = doc
     return out
 
@@ -306,6 +325,7 @@ class Child:
     stopping: bool = False
     argv_on_restart: Callable[[], list[str]] | None = None
     spool: Path | None = None  # its producer spool (TRAJPIPE_SPOOL_DIR)
+    exit_with_loop: bool = True  # SIGTERM when the loop dies (trajpipe/lifeline.py); not the broker's starter
 
     def start(self, env: dict[str, str]) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -314,9 +334,12 @@ class Child:
         err.write(f"\n==== {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} $ {' '.join(self.argv)}\n".encode())
         err.flush()
         # Own session: a Ctrl-C at the terminal reaches the loop only, which stops the children in order.
+        # The lifeline: a loop killed itself (kill -9) cannot stop them, so each ends by itself when the loop
+        # dies (PR_SET_PDEATHSIG fires when the starting *thread* exits: children are started from the main one).
         # Own spool dir: two producers may not share one (and never the caller's working directory).
-        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                     env={**env, **({"TRAJPIPE_SPOOL_DIR": str(self.spool)} if self.spool else {})},
+        child_env = {**env, **({"TRAJPIPE_SPOOL_DIR": str(self.spool)} if self.spool else {}),
+                     **(lifeline_env(os.getpid()) if self.exit_with_loop else {})}
+        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=child_env,
                                      start_new_session=True)
         err.close()
         if out is not err:
@@ -396,7 +419,7 @@ class Loop:
         self._conn = None
         self._topics = None
         self._evals_seen = 0
-        self.oneshots: list[Child] = []  # one-off evaluations: they end by themselves, never restarted
+        self.oneshots: list[Child] = []  # the warm start's evaluation: it ends by itself, never restarted
 
     # -- setup -----------------------------------------------------------------------------------
 
@@ -430,12 +453,14 @@ class Loop:
         self.state.setdefault("model", str(self.model))
         self.state.setdefault("start_version", self.start_policy["version"])
         self.state.setdefault("lineage", self.start_policy["lineage"] or f"loop-{uuid.uuid4().hex[:12]}")
+        self.state.setdefault("eval_group", f"trajpipe-eval-{uuid.uuid4().hex[:12]}")
         self.state["invocations"] = int(self.state.get("invocations", 0)) + 1
         self._write_train_config()
         _write_json(self.paths.state, self.state)
 
     def _stop_leftovers(self) -> None:
-        """Children of a loop that was killed itself keep running in their sessions: stop them (recorded pids)."""
+        """Stop children of a killed loop still up (recorded pids): they end with the loop (trajpipe/lifeline.py),
+        but one may be slow to, and without PR_SET_PDEATHSIG (not Linux) none does."""
         for name, pid in (self.state.get("pids") or {}).items():
             if _pid_alive_with(int(pid), str(self.paths.root)):
                 self.echo(f"loop: stopping {name} (pid {pid}) left over by the previous invocation")
@@ -496,7 +521,8 @@ class Loop:
             port = self.cfg.broker.port or _free_port(self.state.get("broker_port"))
             child = Child("broker", _trajpipe("broker", "start", "--engine", self.cfg.broker.engine, "--port",
                                               str(port), "--data-dir", str(self.paths.broker)),
-                          self.paths.logs / "broker.log", stdout=self.paths.logs / "broker.out")
+                          self.paths.logs / "broker.log", stdout=self.paths.logs / "broker.out",
+                          exit_with_loop=False)  # the broker outlives a killed loop; --resume reuses it
             child.start(self.env)
             code = child.wait(180)
             if code != 0:
@@ -552,7 +578,9 @@ class Loop:
             ev = ["eval", "--bootstrap", B, "--policy-version", "latest", "--follow", "--policy", e.policy,
                   "--domains", ",".join(e.domains or r.domains), "--levels", ",".join(map(str, e.levels)),
                   "--tasks-per-level", str(e.tasks_per_level), "--max-steps", str(e.max_steps or r.max_steps),
-                  "--max-tokens", str(e.max_tokens or r.max_tokens), "--temperature", str(e.temperature)]
+                  "--max-tokens", str(e.max_tokens or r.max_tokens), "--temperature", str(e.temperature),
+                  # resumable: a restart (or --resume) evaluates every version of the run not evaluated yet
+                  "--group", self.state["eval_group"], "--lineage", self.state["lineage"]]
             self.children["evaluator"] = Child("evaluator", _trajpipe(*ev), p.logs / "evaluator.log", stdout=p.evals)
         for child in self.children.values():
             child.spool = p.spool(child.name)
@@ -581,6 +609,8 @@ class Loop:
             argv = [a for a in evaluator.argv if a != "--follow"]
             i = argv.index("--policy-version")
             argv[i:i + 2] = ["--model", str(self.model)]
+            i = argv.index("--group")  # a one-off, not a follower
+            del argv[i:i + 2]
             baseline = Child("eval-warm-start", argv, evaluator.log, stdout=self.paths.evals,
                              spool=self.paths.spool("eval-warm-start"))
             baseline.start(self.env)
@@ -762,48 +792,14 @@ class Loop:
                   "in Kafka for --resume)")
         return False
 
-    def _eval_child(self, version: int) -> Child:
+    def _report_unevaluated(self) -> None:
+        """At stop: the versions without a finished evaluation (the evaluator's group still has them pending)."""
         evaluator = self.children["evaluator"]
-        argv = [a for a in evaluator.argv if a != "--follow"]
-        argv[argv.index("--policy-version") + 1] = str(version)
-        return Child(f"eval-v{version}", argv, evaluator.log, stdout=self.paths.evals,
-                     spool=self.paths.spool(f"eval-v{version}"))
-
-    def _catch_up_evaluations(self) -> None:
-        """Versions older than the newest evaluated one and never evaluated (published while the loop was down:
-        the follower only goes forward): one `trajpipe eval --policy-version V` at a time, while the loop runs."""
-        if "evaluator" not in self.children or any(c.poll() is None for c in self.oneshots):
-            return
         evals = self.evaluations()
-        if not evals:
-            return
-        behind = [v for v in self.policy_versions() if v < max(evals) and v not in evals
-                  and not any(c.name == f"eval-v{v}" and c.exits for c in self.oneshots)]
-        if behind:
-            one = self._eval_child(behind[0])
-            one.start(self.env)
-            one.exits.append(0)  # marks "tried": a failed catch-up is retried at stop, not in a loop
-            self.oneshots.append(one)
-            self.echo(f"loop: evaluating v{behind[0]}, published while the loop was down (pid {one.pid})")
-
-    def _evaluate_missing(self) -> None:
-        """Versions the follower skipped (published while it was busy, starting, or down): one `trajpipe eval` each."""
-        evaluator = self.children["evaluator"]
-        deadline = time.monotonic() + self.cfg.drain_timeout_s
-        missing = [v for v in self.policy_versions() if v not in self.evaluations()]
-        started: list[tuple[int, Child]] = []
-        for version in missing[:4]:  # side by side (start-up dominates), a few at a time
-            one = self._eval_child(version)
-            one.start(self.env)
-            started.append((version, one))
-        for version, one in started:
-            if one.wait(max(1.0, deadline - time.monotonic())) is None:
-                one.stop(30)
-        done = self.evaluations()
-        for version in missing:
-            self.echo(f"loop: evaluated v{version} on demand" if version in done else
-                      f"loop: v{version} not evaluated at stop (see {evaluator.log}); `trajpipe eval --policy-version "
-                      f"{version}` evaluates it later")
+        missing = [v for v in self.policy_versions() if v not in evals]
+        if missing:
+            self.echo(f"loop: not evaluated at stop: {', '.join(f'v{v}' for v in missing)} (see {evaluator.log}); the "
+                      f"next --resume evaluates them first (or `trajpipe eval --policy-version V`)")
 
     def _covered(self, offsets: Callable[[], dict[int, int]], end: dict[int, int] | None, name: str) -> bool:
         child = self.children.get(name)
@@ -831,6 +827,7 @@ class Loop:
             self.echo("loop: trainer stopped")
         evaluator = self.children.get("evaluator")
         if evaluator is not None:
+            # It evaluates the versions in order: once it has the newest, it has all (but one it could not load).
             versions = self.policy_versions()
             if versions and evaluator.poll() is None and self.failed is None and self.stop_reason != "signal":
                 self._wait_until(f"evaluation of v{versions[-1]}",
@@ -841,8 +838,7 @@ class Loop:
                 if one.poll() is None and (self.failed is not None or self.stop_reason == "signal"
                                            or one.wait(self.cfg.drain_timeout_s) is None):
                     one.stop(30)
-            if self.failed is None and self.stop_reason != "signal":
-                self._evaluate_missing()
+            self._report_unevaluated()
         end = self.topic_end()
         if "pipeline" in self.children:
             self._wait_until("datasets covering the topic",
@@ -861,6 +857,7 @@ class Loop:
 
     def run(self) -> dict[str, Any]:
         self.prepare()
+        self._evals_seen = len(self.evaluations())  # --resume: announce only what this invocation evaluates
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.start_broker()
         _write_json(self.paths.state, self.state)
@@ -877,7 +874,6 @@ class Loop:
             while not self.stop_event.wait(1.0):
                 self.check_children()
                 self.report_new_evaluations()
-                self._catch_up_evaluations()
                 reason = self.budget_reached()
                 if reason:
                     self.request_stop(reason)

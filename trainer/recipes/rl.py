@@ -40,10 +40,13 @@ the checkpoint, so ``--resume`` continues the same lineage). Published policies 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
 import shutil
+import signal
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -365,10 +368,13 @@ class RLRecipe:
                     bar.update(task, completed=self.step, info=(
                         f"loss {metrics['train/loss']:.4f}  reward {metrics['train/reward']:.3f}  "
                         f"{metrics['perf/tokens_per_s']:,.0f} tok/s  wait {metrics['perf/data_wait_fraction']:.0%}"))
-                if cfg.publish.every and self.step % cfg.publish.every == 0:
-                    self.publish()
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                    self.save_checkpoint()
+                # One unit against SIGTERM/SIGINT: stopped between the two, the trainer would resume from the
+                # previous checkpoint and publish the next version with the one just published skipped as parent.
+                with _stop_signals_deferred():
+                    if cfg.publish.every and self.step % cfg.publish.every == 0:
+                        self.publish()
+                    if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                        self.save_checkpoint()
         if cfg.publish.at_end and self.step > 0 and self._last_published_step != self.step:
             self.publish()
         if cfg.checkpoint.at_end and self._last_checkpoint_step != self.step:
@@ -427,6 +433,30 @@ class RLRecipe:
         if self.samples_log is not None:
             self.samples_log.close()
         self.engine.close()
+
+
+@contextlib.contextmanager
+def _stop_signals_deferred() -> Iterator[None]:
+    """SIGTERM and SIGINT received inside the block take effect (with their previous handlers) at its end.
+
+    Only in the main thread (the only one where Python lets handlers be set); elsewhere a no-op.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    # (a handler installed outside Python reads as None and cannot be put back: such a signal is left alone)
+    previous = {s: h for s in (signal.SIGTERM, signal.SIGINT) if (h := signal.getsignal(s)) is not None}
+    for s in previous:
+        signal.signal(s, lambda sig, _frame: pending.append(sig))
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for sig in pending:
+            log.info("signal %d received while publishing/checkpointing: acting on it now", sig)
+            signal.raise_signal(sig)
 
 
 def run(cfg: TrainConfig, *, emit_event: Callable[[Event], None] | None = None,
