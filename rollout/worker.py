@@ -106,6 +106,21 @@ class RolloutConfig:
             of a run is smaller when ``episodes`` is not a multiple).
         purpose: ``EpisodeStarted.purpose`` of every episode: ``train``, or ``eval`` for
             held-out evaluations (:mod:`rollout.evaluate`).
+        samples_per_version: staleness-aware rollout control (0: off): the episodes the trainer consumes
+            per published version (batch x grad accumulation x publish interval, this worker's share).
+            The worker starts a new group only while ``judged + in_flight < (i - i0 + max_ahead + 1) x
+            samples_per_version``, ``i`` being the version it acts with, ``i0`` the one it started with and
+            ``judged`` its finished episodes with a verdict (success or failure; timeouts, errors and aborts
+            are never trained on, so they do not use the budget). Otherwise it waits for the next version.
+            This is AReaL's rule (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning
+            System for Language Reasoning", section 5.1: the rollout controller rejects new generation
+            once the trajectories generated reach ``(i + eta + 1) x B``): rollouts run ahead of training by
+            at most ``max_ahead`` versions, so what they produce is not too stale to train on.
+        max_ahead: ``eta`` above: versions the rollouts may run ahead of the trainer (the trainer's
+            ``max_staleness``).
+        throttle_release_s: liveness valve of the control: a worker held this long without a new version
+            starts one more group (the trainer may need more samples than the budget gave it, e.g. when
+            the pipeline holds incomplete groups), logged.
     """
 
     episodes: int
@@ -117,6 +132,9 @@ class RolloutConfig:
     shutdown_timeout_s: float = 60.0
     group_size: int = 1
     purpose: str = PURPOSE_TRAIN
+    samples_per_version: int = 0
+    max_ahead: int = 0
+    throttle_release_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.purpose not in PURPOSES:
@@ -129,6 +147,11 @@ class RolloutConfig:
             raise ValueError(f"`concurrency` must be >= 1, got {self.concurrency}")
         if self.max_steps < 1:
             raise ValueError(f"`max_steps` must be >= 1, got {self.max_steps}")
+        if self.samples_per_version < 0 or self.max_ahead < 0:
+            raise ValueError(f"`samples_per_version` and `max_ahead` must be >= 0, got {self.samples_per_version}, "
+                             f"{self.max_ahead}")
+        if self.throttle_release_s <= 0:
+            raise ValueError(f"`throttle_release_s` must be > 0, got {self.throttle_release_s}")
 
 
 class EpisodeResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -176,6 +199,8 @@ class RolloutCounts(msgspec.Struct, kw_only=True):
         policy_versions: episodes per policy version.
         groups: groups of episodes started (a group of one per task when ``group_size`` is 1).
         reloads: policy versions applied.
+        throttled_s: time the staleness control held new groups back (``RolloutConfig.samples_per_version``).
+        throttle_releases: groups its liveness valve let through.
         stuck: episodes closed at shutdown while their thread was still busy (abandoned).
         elapsed_s: wall time of the run, seconds.
     """
@@ -189,6 +214,8 @@ class RolloutCounts(msgspec.Struct, kw_only=True):
     policy_versions: dict[int, int] = msgspec.field(default_factory=dict)
     groups: int = 0
     reloads: int = 0
+    throttled_s: float = 0.0
+    throttle_releases: int = 0
     stuck: int = 0
     elapsed_s: float = 0.0
 
@@ -337,6 +364,10 @@ class RolloutWorker:
         self._abort = threading.Event()
         self._stop = threading.Event()
         self._skip_version = -1  # a version whose reload failed is not retried
+        self._first_version = policy.policy_version
+        self._judged = 0  # finished episodes with a verdict (the staleness control's budget use)
+        self._held_since: float | None = None
+        self._released = 0  # episodes the liveness valve added to the budget
 
     @property
     def aborting(self) -> threading.Event:
@@ -363,7 +394,8 @@ class RolloutWorker:
         try:
             while not stop.is_set():
                 draining = self._maybe_reload(busy=bool(in_flight))
-                while not draining and started < self.config.episodes and len(in_flight) < self.config.concurrency:
+                while (not draining and started < self.config.episodes and len(in_flight) < self.config.concurrency
+                       and not self._ahead(len(in_flight))):
                     items = self.scheduler.next_group(min(self.config.group_size, self.config.episodes - started))
                     if not items:  # every domain blocked (breakers open, retries backing off)
                         break
@@ -401,6 +433,33 @@ class RolloutWorker:
             pool.shutdown(wait=not in_flight, cancel_futures=True)
         self.counts.elapsed_s = time.monotonic() - t0
         return self.counts
+
+    def _ahead(self, in_flight: int) -> bool:
+        """Whether the staleness control holds the next group back (see ``RolloutConfig.samples_per_version``)."""
+        per_version = self.config.samples_per_version
+        if per_version <= 0:
+            return False
+        budget = ((self.policy.policy_version - self._first_version + self.config.max_ahead + 1) * per_version
+                  + self._released)
+        now = time.monotonic()
+        if self._judged + in_flight < budget:
+            if self._held_since is not None:
+                self.counts.throttled_s += now - self._held_since
+                self._held_since = None
+            return False
+        if self._held_since is None:
+            self._held_since = now
+            return True
+        if now - self._held_since < self.config.throttle_release_s:
+            return True
+        log.warning("staleness control: no new policy version for %.0f s with %d judged episodes (budget %d at "
+                    "version %d); starting one more group", now - self._held_since, self._judged, budget,
+                    self.policy.policy_version)
+        self.counts.throttled_s += now - self._held_since
+        self.counts.throttle_releases += 1
+        self._held_since = None
+        self._released += self.config.group_size
+        return False
 
     def _emitter(self, item: ScheduledTask, policy: Policy, episode_id: str) -> _EpisodeEmitter:
         base = {"episode_id": episode_id, "domain": item.task.domain, "task_id": item.task.task_id,
@@ -440,6 +499,8 @@ class RolloutWorker:
         dom.episodes += 1
         dom.events += result.num_events
         c.policy_versions[result.policy_version] = c.policy_versions.get(result.policy_version, 0) + 1
+        if result.status in (EpisodeStatus.SUCCESS, EpisodeStatus.FAILURE):
+            self._judged += 1
         if result.status == EpisodeStatus.SUCCESS:
             c.passed += 1
             dom.passed += 1

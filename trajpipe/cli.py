@@ -636,6 +636,12 @@ def rollout(
     scheduler_state: Annotated[Optional[Path], typer.Option(
         "--scheduler-state", help="JSON file of the task scheduler's state: saved after every episode, resumed "
                                   "from when it exists (levels, pass rates, RNG, group rounds)")] = None,
+    samples_per_version: Annotated[int, typer.Option(
+        "--samples-per-version", help="staleness control (AReaL): episodes the trainer consumes per version; start "
+                                      "groups only while judged + in flight < (versions since start + max-ahead + "
+                                      "1) x N (0: off)")] = 0,
+    max_ahead: Annotated[int, typer.Option("--max-ahead", help="staleness control: versions rollouts may run "
+                                                               "ahead of the trainer")] = 0,
     bootstrap: BootstrapOpt = None,
     spool_dir: Annotated[Optional[Path], typer.Option("--spool-dir", help="where to spool if Kafka is down")] = None,
     config: ConfigOpt = None,
@@ -645,6 +651,10 @@ def rollout(
     _check_at_least("--concurrency", concurrency, 1)
     _check_at_least("--max-steps", max_steps, 1)
     _check_at_least("--max-tokens", max_tokens, 1)
+    _check_at_least("--samples-per-version", samples_per_version, 0)
+    _check_at_least("--max-ahead", max_ahead, 0)
+    if samples_per_version and not follow_policies:
+        _fail("`--samples-per-version` waits for new policy versions; it needs `--follow-policies`")
     _check_dir("--spool-dir", spool_dir)
     from rollout.envs import domains as known_domains
 
@@ -740,7 +750,8 @@ def rollout(
 
         worker = RolloutWorker(actor, emit=producer.emit,
                                config=RolloutConfig(episodes=episodes, concurrency=concurrency, max_steps=max_steps,
-                                                    producer_id=producer_id, group_size=group_size),
+                                                    producer_id=producer_id, group_size=group_size,
+                                                    samples_per_version=samples_per_version, max_ahead=max_ahead),
                                scheduler=scheduler,
                                follower=follower, on_episode=on_episode)
         if follower is not None:
@@ -756,6 +767,9 @@ def rollout(
         stats = producer.flush()
     if stop.is_set():
         typer.echo(f"stopped by signal: {counts.aborted} episodes aborted, events flushed", err=True)
+    if samples_per_version:
+        typer.echo(f"staleness control: held new groups back {counts.throttled_s:.1f} s, released "
+                   f"{counts.throttle_releases} groups without a new version", err=True)
     if stats.spooled:
         typer.echo(f"Kafka unreachable: {stats.spooled} events kept in the spool; they replay on the next run", err=True)
     _print_counts(counts.summary())

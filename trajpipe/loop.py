@@ -121,6 +121,9 @@ class RolloutSettings(_Strict):
     max_tokens: int = Field(48, ge=1, description="new tokens per action")
     temperature: float = Field(1.0, ge=0, description="sampling temperature")
     seed: int = Field(0, description="seed of worker 0 (worker i: seed + 1000 i)")
+    staleness_control: bool = Field(True, description="hold rollouts within the trainer's staleness cap (AReaL's "
+                                    "rule, `trajpipe rollout --samples-per-version`): no episodes made only to be "
+                                    "dropped as stale")
 
 
 class PipelineSettings(_Strict):
@@ -499,10 +502,15 @@ class Loop:
         doc["publish"].pop("at_end", None)
         doc["publish"]["at_end"] = False  # a stop must not publish an extra, unplanned version
         try:
-            load_train_config(None, **{"data.dir": str(self.paths.data), "model": str(self.model),
-                                       "out": str(self.paths.train)}, **_flatten(doc))
+            train = load_train_config(None, **{"data.dir": str(self.paths.data), "model": str(self.model),
+                                               "out": str(self.paths.train)}, **_flatten(doc))
         except TrainConfigError as err:
             raise LoopConfigError(f"`trainer`: {err}") from None
+        # The staleness control's budget: the episodes one version consumes (one rank; episodes pack into
+        # windows about one to one at these lengths), shared by the workers, and the trainer's staleness cap.
+        per_version = train.data.batch_size * train.optim.grad_accum * self.cfg.trainer.publish_every
+        self.samples_per_version = -(-per_version // self.cfg.rollout.workers)
+        self.max_ahead = train.objective.max_staleness or 0
         text = yaml.safe_dump(doc, sort_keys=False)
         cmd = (f"# trajpipe train --config {self.paths.train_config} --data {self.paths.data} --model {self.model} "
                f"--out {self.paths.train} --bootstrap B   (written by trajpipe loop from {src})\n")
@@ -552,7 +560,9 @@ class Loop:
                 "--task-pool", str(r.task_pool), "--concurrency", str(r.concurrency), "--max-steps",
                 str(r.max_steps), "--max-tokens", str(r.max_tokens), "--temperature", str(r.temperature),
                 "--seed", str(r.seed + 1000 * i), "--producer-id", f"loop-{name}",
-                "--scheduler-state", str(p.scheduler_state(i)), "--spool-dir", str(p.spool(name)))
+                "--scheduler-state", str(p.scheduler_state(i)), "--spool-dir", str(p.spool(name)),
+                *(["--samples-per-version", str(self.samples_per_version), "--max-ahead", str(self.max_ahead)]
+                  if r.staleness_control else []))
             self.children[name] = Child(name, argv, p.logs / f"{name}.log")
         self.children["archiver"] = Child("archiver", _trajpipe(
             "archive", "--bootstrap", B, "--out", str(p.archive), "--poll-interval", "1", "--commit-every", "5000",
