@@ -184,11 +184,17 @@ class _InPlaceScripted(ScriptedPolicy):
         return self
 
 
-@pytest.mark.integration
-def test_in_place_reload_waits_for_episodes_in_flight(kafka_broker, topic_name, tmp_path):
+def _topics_with_control(kafka_broker, topic_name: str) -> tuple[KafkaConnection, Topics]:
+    """A connection to the test broker and the topics of one test, control topic included (created)."""
     conn = KafkaConnection(bootstrap_servers=kafka_broker.bootstrap, request_timeout_ms=10_000)
     topics = Topics(events=topic_name, control=f"{topic_name}.ctl", dead_letters=f"{topic_name}.dl", partitions=3)
     ensure_topics(conn, topics)
+    return conn, topics
+
+
+@pytest.mark.integration
+def test_in_place_reload_waits_for_episodes_in_flight(kafka_broker, topic_name, tmp_path):
+    conn, topics = _topics_with_control(kafka_broker, topic_name)
     policy = _InPlaceScripted()
     events: list[AnyEvent] = []
 
@@ -323,11 +329,8 @@ class _ReloadingScripted(ScriptedPolicy):
 @pytest.mark.integration
 def test_staleness_control_holds_rollouts_within_the_versions_budget(kafka_broker, topic_name, tmp_path):
     """AReaL's rule: judged + in flight < (i - i0 + max_ahead + 1) x samples_per_version, released by new versions."""
-    conn = KafkaConnection(bootstrap_servers=kafka_broker.bootstrap, request_timeout_ms=10_000)
-    topics = Topics(events=topic_name, control=f"{topic_name}.ctl", dead_letters=f"{topic_name}.dl", partitions=3)
-    ensure_topics(conn, topics)
+    conn, topics = _topics_with_control(kafka_broker, topic_name)
     events: list[AnyEvent] = []
-    published: list[float] = []
 
     with EventProducer(conn, topics.control, spool_dir=tmp_path) as control, \
             PolicyFollower(conn, topics.control) as follower:
@@ -338,7 +341,6 @@ def test_staleness_control_holds_rollouts_within_the_versions_budget(kafka_broke
                 version = 1 if counts.episodes == 8 else 2
                 control.emit(make_policy_published(version=version, location=str(tmp_path), producer_id="t"))
                 control.flush()
-                published.append(time.monotonic())
                 deadline = time.monotonic() + 20
                 while (follower.latest is None or follower.latest.version < version) and time.monotonic() < deadline:
                     time.sleep(0.05)
