@@ -222,6 +222,11 @@ def test_every_report_matches_polars(real):
     ).sort("domain")
     for col in ("domain", "episodes", "steps", "prompt_tokens", "generated_tokens", "context_tokens", "max_context"):
         assert got[col].to_list() == want[col].to_list(), col
+    # the stored counts of every real step row are the token lists' lengths and the stream before the action
+    stored = [(pl.col(a) == pl.col(b)).all() for a, b in
+              (("observation_tokens", "obs"), ("action_tokens", "act"), ("context_tokens", "context"))]
+    assert tok.select(stored).row(0) == (True, True, True)
+    assert tok["context_tokens"].max() > tok["observation_tokens"].max()  # multi-step episodes: context grows
     for col in ("long_context_share", "context_growth_per_step"):
         assert got[col].to_list() == pytest.approx(want[col].to_list()), col
     assert (got["prompt_tokens"] > 0).all() and (got["generated_tokens"] > 0).all()
