@@ -43,8 +43,7 @@ import pyarrow.parquet as pq
 from pipelines.catalog import open_catalog
 from pipelines.commit import CommittedFile, DatasetManifest
 from pipelines.reports import REPORTS, report_sql
-from schemas.datasets import step_file_schema, trajectory_file_schema
-from trainer.synthetic import context_tokens_of
+from schemas.datasets import context_tokens_of, step_file_schema, trajectory_file_schema
 
 __all__ = ["bench_analytics", "write_synthetic_dataset"]
 

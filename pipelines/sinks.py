@@ -69,6 +69,7 @@ from schemas.datasets import (
     EvaluationRow,
     StepRow,
     TrajectoryRow,
+    context_tokens_of,
     evaluation_file_schema,
     step_file_schema,
     trajectory_file_schema,
@@ -219,15 +220,10 @@ def episode_rows(episode: Episode, recipe: Recipe) -> tuple[TrajectoryRow, list[
 
 
 def _token_counts(steps: Sequence[Step]) -> tuple[list[int], list[int], list[int]]:
-    """Per step: observation tokens, action tokens, and the stream length before the action (``context_tokens``)."""
-    obs = [len(s.observation_token_ids) for s in steps]
-    act = [len(s.action_token_ids) for s in steps]
-    context, total = [], 0
-    for o, a in zip(obs, act):
-        total += o
-        context.append(total)
-        total += a
-    return obs, act, context
+    """Per step: observation tokens, action tokens and ``context_tokens`` (:func:`schemas.datasets.context_tokens_of`)."""
+    obs = np.fromiter((len(s.observation_token_ids) for s in steps), np.int64, len(steps))
+    act = np.fromiter((len(s.action_token_ids) for s in steps), np.int64, len(steps))
+    return obs.tolist(), act.tolist(), context_tokens_of(obs, act, np.array([len(steps)])).tolist()
 
 
 class RowsBuffer:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from datetime import datetime
 
 import msgspec
+import numpy as np
 import pyarrow as pa
 
 from schemas.events import LogProbs, TokenIds
@@ -38,6 +39,7 @@ __all__ = [
     "TrajectoryRow",
     "EvaluationRow",
     "step_file_schema",
+    "context_tokens_of",
     "trajectory_file_schema",
     "evaluation_file_schema",
 ]
@@ -320,6 +322,18 @@ class EvaluationRow(msgspec.Struct, kw_only=True, gc=False):
     producer_id: str
     started_time: datetime
     event_time: datetime
+
+
+def context_tokens_of(obs: np.ndarray, act: np.ndarray, episode_steps: np.ndarray) -> np.ndarray:
+    """``StepRow.context_tokens`` (the stream before each action) of consecutive episodes of ``episode_steps``
+    steps, from their per-step token counts.
+
+    >>> context_tokens_of(np.array([4, 2, 2, 5]), np.array([2, 3, 2, 1]), np.array([3, 1])).tolist()
+    [4, 8, 13, 5]
+    """
+    total = np.cumsum(obs + act, dtype=np.int64)
+    before = np.concatenate([[0], total])[np.cumsum(episode_steps) - episode_steps]  # stream before each episode
+    return total - act - np.repeat(before, episode_steps)
 
 
 def step_file_schema() -> pa.Schema:

@@ -40,11 +40,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.arrow import arrow_schema_for
-from schemas.datasets import DATASET_SCHEMA_VERSION, PARTITION_KEYS, StepRow
+from schemas.datasets import DATASET_SCHEMA_VERSION, PARTITION_KEYS, StepRow, context_tokens_of
 from schemas.events import as_logprobs, as_token_ids, make_event_id
 from schemas.storage import atomic_write
 
-__all__ = ["make_step_rows", "write_steps_commit", "write_random_commit", "context_tokens_of", "DEFAULT_RECIPE"]
+__all__ = ["make_step_rows", "write_steps_commit", "write_random_commit", "DEFAULT_RECIPE"]
 
 #: Dataset version name used when none is given.
 DEFAULT_RECIPE = "synthetic-00000000"
@@ -150,17 +150,6 @@ def make_step_rows(
                 verifications=[], verification_score=0.0, verifier_disagreements=0, clipped=False, event_time=_TIME,
             ))
     return rows
-
-
-def context_tokens_of(obs: np.ndarray, act: np.ndarray, episode_steps: np.ndarray) -> np.ndarray:
-    """``StepRow.context_tokens`` of consecutive episodes of ``episode_steps`` steps, from per-step token counts.
-
-    >>> context_tokens_of(np.array([4, 2, 2, 5]), np.array([2, 3, 2, 1]), np.array([3, 1])).tolist()
-    [4, 8, 13, 5]
-    """
-    total = np.cumsum(obs + act, dtype=np.int64)
-    before = np.concatenate([[0], total])[np.cumsum(episode_steps) - episode_steps]  # stream before each episode
-    return total - act - np.repeat(before, episode_steps)
 
 
 def _table(rows: Sequence[StepRow]) -> pa.Table:
