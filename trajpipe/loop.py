@@ -510,7 +510,7 @@ class Loop:
         # windows about one to one at these lengths), shared by the workers, and the trainer's staleness cap.
         per_version = train.data.batch_size * train.optim.grad_accum * self.cfg.trainer.publish_every
         self.samples_per_version = -(-per_version // self.cfg.rollout.workers)
-        self.max_ahead = train.objective.max_staleness or 0
+        self.max_ahead = train.objective.max_staleness  # None: no cap, so nothing to hold the rollouts to
         text = yaml.safe_dump(doc, sort_keys=False)
         cmd = (f"# trajpipe train --config {self.paths.train_config} --data {self.paths.data} --model {self.model} "
                f"--out {self.paths.train} --bootstrap B   (written by trajpipe loop from {src})\n")
@@ -562,7 +562,7 @@ class Loop:
                 "--seed", str(r.seed + 1000 * i), "--producer-id", f"loop-{name}",
                 "--scheduler-state", str(p.scheduler_state(i)), "--spool-dir", str(p.spool(name)),
                 *(["--samples-per-version", str(self.samples_per_version), "--max-ahead", str(self.max_ahead)]
-                  if r.staleness_control else []))
+                  if r.staleness_control and self.max_ahead is not None else []))
             self.children[name] = Child(name, argv, p.logs / f"{name}.log")
         self.children["archiver"] = Child("archiver", _trajpipe(
             "archive", "--bootstrap", B, "--out", str(p.archive), "--poll-interval", "1", "--commit-every", "5000",
