@@ -95,7 +95,7 @@ def _claimed_batches(tracker, chunk: PartitionChunk, batch_size: int) -> Iterato
     Each batch's last offset is claimed once. If that fails the runner shrank
     the restriction meanwhile (split or checkpoint); its new end is then at or
     below that offset and above every earlier claim, so exactly the records
-    below the new end are ours, and nothing more may be claimed.
+    below the new end are ours (possibly none), and nothing more may be claimed.
     """
     for i in range(0, len(chunk), batch_size):
         batch = _records(chunk, i, i + batch_size)
@@ -103,9 +103,9 @@ def _claimed_batches(tracker, chunk: PartitionChunk, batch_size: int) -> Iterato
             yield batch, True
             continue
         new_stop = tracker.current_restriction().stop
-        owned = _records(chunk, i, i + bisect.bisect_left(batch.offsets, new_stop))
-        if len(owned):
-            yield owned, False
+        # Yielded even when empty: the caller must stop here, since a later claim (or the final
+        # claim of the stop) would be below this failed attempt, which the tracker refuses.
+        yield _records(chunk, i, i + bisect.bisect_left(batch.offsets, new_stop)), False
         return
 
 
@@ -198,8 +198,9 @@ class _ReadRangeFn(_FetchDoFnBase):
         for chunk in read_partition(self._reader, whole, stall_timeout_s=self._stall_timeout_s):
             stop = tracker.current_restriction().stop  # the runner may have split the restriction meanwhile
             for batch, go_on in _claimed_batches(tracker, chunk.below(stop), self._batch_size):
-                self._count(batch)
-                yield batch
+                if len(batch):
+                    self._count(batch)
+                    yield batch
                 if not go_on:
                     return
             if chunk.next_offset >= stop:
@@ -301,10 +302,11 @@ class _ReadStreamFn(_FetchDoFnBase):
             # empty fetch (a consumer re-assigned on each resume often could not tell, and the watermark stalled).
             chunk = self._reader.fetch(topic, partition, pos).below(stop)
             for batch, go_on in _claimed_batches(tracker, chunk, self._batch_size):
-                ts = self._watermarks.batch_timestamp(estimator, batch)
-                self._count(batch)
-                yield TimestampedValue(batch, ts)
-                estimator.set_watermark(ts)
+                if len(batch):
+                    ts = self._watermarks.batch_timestamp(estimator, batch)
+                    self._count(batch)
+                    yield TimestampedValue(batch, ts)
+                    estimator.set_watermark(ts)
                 if not go_on:
                     return
             pos = max(pos, chunk.next_offset)  # also steps over control batches and compacted offsets
