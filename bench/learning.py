@@ -69,7 +69,10 @@ class LearningSetup:
             failure and its recovery, e.g. a rewrite after failing tests; BC clones every step).
         demo_seed: task seed of the demonstrations.
         bc_config: warm-start recipe (``trajpipe train --config``).
-        eval_tasks: held-out tasks per (domain, level).
+        eval_tasks: held-out tasks per (domain, level) of the greedy evaluation.
+        eval_sampled_tasks: held-out tasks per (domain, level) of the sampled evaluation (pass@1 at the
+            training temperature; 0 = no sampled evaluation).
+        eval_seed: sampling seed of the sampled evaluation, the same for every version (paired comparison).
         base_eval_tasks: held-out level-0 tasks per domain for the base model (a random-init model never
             stops early: each of its actions costs ``max_tokens``; the first ``base_eval_tasks`` of the
             same held-out tasks).
@@ -87,6 +90,14 @@ class LearningSetup:
             Qwen2.5-0.5B-Instruct on a GPU machine, bench/gpu_loop.sh).
         policy: rollout and evaluation engine, ``hf`` or ``vllm``.
         eval_base: evaluate the base model too (``bc_base_heldout_pass_rate``).
+        warm_start: skip the warm start and start the online loop from this published policy directory
+            (e.g. ``<workdir>/bc/policies/v1`` of an earlier run); no ``bc_*`` figures then.
+        engine: ``loop``: the online phase is one ``trajpipe loop --config loop_config`` run (the product's
+            asynchronous loop: rollouts, Beam micro-batches and the online trainer at once) for ``budget_s``,
+            whose published versions are evaluated afterwards; ``commands``: rollout → pipeline → train
+            commands in turn per iteration (``grpo_config``, ``groups_per_iter``).
+        loop_config: the loop's config (``run_dir``, ``model``, ``bootstrap`` and the budget are set here).
+        loop_eval_versions: versions of the loop evaluated (evenly spaced, the last always), besides v1.
     """
 
     domains: tuple[str, ...] = ("code", "tools")
@@ -97,6 +108,8 @@ class LearningSetup:
     demo_seed: int = 1
     bc_config: Path = CONFIGS / "bc-warmstart-loop.yaml"
     eval_tasks: int = 8
+    eval_sampled_tasks: int = 24
+    eval_seed: int = 7
     base_eval_tasks: int = 4
     eval_max_steps: int = 6
     max_tokens: int = 64
@@ -111,6 +124,10 @@ class LearningSetup:
     base_model: Path | None = None
     policy: str = "hf"
     eval_base: bool = True
+    warm_start: Path | None = None
+    engine: str = "loop"
+    loop_config: Path = REPO / "trajpipe" / "configs" / "loop-learning.yaml"
+    loop_eval_versions: int = 6
 
 
 @dataclass
@@ -120,9 +137,11 @@ class _Point:
     policy_version: int
     elapsed_s: float
     by_domain_level: dict[str, dict] = field(default_factory=dict)
+    sampled: dict[str, dict] = field(default_factory=dict)
 
-    def rate(self, *, domains: tuple[str, ...] | None = None, levels: tuple[int, ...] | None = None) -> float:
-        cells = [c for k, c in self.by_domain_level.items()
+    def rate(self, *, domains: tuple[str, ...] | None = None, levels: tuple[int, ...] | None = None,
+             sampled: bool = False) -> float:
+        cells = [c for k, c in (self.sampled if sampled else self.by_domain_level).items()
                  if (domains is None or k.split("/")[0] in domains)
                  and (levels is None or int(k.split("/")[1]) in levels)]
         episodes = sum(c["episodes"] for c in cells)
@@ -149,8 +168,13 @@ def _trajpipe(env: dict, log: Path, *args) -> dict:
 
 def evaluate_policy(model: Path, *, bootstrap: str, topic: str, spool: Path, domains: tuple[str, ...],
                     levels: tuple[int, ...], tasks: int, max_steps: int, max_tokens: int,
-                    policy_version: int = 0, policy: str = "hf") -> dict[str, dict]:
-    """Greedy pass rate of ``model`` on held-out tasks: what ``trajpipe eval`` runs (:func:`rollout.evaluate.run_evaluation`).
+                    policy_version: int = 0, policy: str = "hf", temperature: float = 0.0,
+                    seed: int = 0) -> dict[str, dict]:
+    """Pass rate of ``model`` on held-out tasks: what ``trajpipe eval`` runs (:func:`rollout.evaluate.run_evaluation`).
+
+    Greedy (``temperature`` 0: pass@1 of the argmax policy) or sampled (pass@1 of the policy as it acts
+    in training, one sample per task: the unbiased pass@k estimator of Chen et al. 2021, "Evaluating
+    Large Language Models Trained on Code", §2.1, at k = n = 1, averaged over the tasks).
 
     The first ``tasks`` of each (domain, level) pool of :func:`rollout.heldout.heldout_tasks` (disjoint by content
     from every demonstration and training task: the training scheduler skips them), run by the real rollout
@@ -168,7 +192,8 @@ def evaluate_policy(model: Path, *, bootstrap: str, topic: str, spool: Path, dom
     conn = KafkaConnection(bootstrap_servers=bootstrap)
     ensure_topics(conn, Topics(events=topic, dead_letters=f"{topic}.dl", control=f"{topic}.ctl", partitions=2))
     config = EvalConfig(domains=domains, levels=levels, tasks_per_level=tasks, max_steps=max_steps,
-                        max_tokens=max_tokens, temperature=0.0, concurrency=16 if policy == "vllm" else 4,
+                        max_tokens=max_tokens, temperature=temperature, seed=seed,
+                        concurrency=16 if policy == "vllm" else 4,
                         producer_id="bench-learning-eval")
     actor = load_policy(policy, str(model), version=policy_version, config=config)
     try:
@@ -181,6 +206,40 @@ def evaluate_policy(model: Path, *, bootstrap: str, topic: str, spool: Path, dom
             close()
     return {k: {"episodes": c.episodes, "passed": c.passed, "pass_rate": round(c.pass_rate, 4)}
             for k, c in result.by_domain_level.items()}
+
+
+def _online_loop(setup: LearningSetup, v1: Path, run_dir: Path, bootstrap: str, logs: Path) -> dict:
+    """``trajpipe loop`` from ``v1`` for ``setup.budget_s``; its published versions ``(version, dir, seconds in)``."""
+    import yaml
+
+    doc = yaml.safe_load(setup.loop_config.read_text())
+    doc.update(run_dir=str(run_dir), model=str(v1), bootstrap=bootstrap, budget={"seconds": setup.budget_s})
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    cfg = run_dir.parent / "loop-learning.yaml"
+    cfg.write_text(f"# trajpipe loop --config {cfg}\n" + yaml.safe_dump(doc, sort_keys=False))
+    t0 = time.time()
+    summary = _trajpipe({**os.environ, "PYTHONPATH": str(REPO)}, logs, "loop", "--config", cfg)
+    versions = []
+    for v in summary["policy_versions"]:
+        path = run_dir / "train" / "policies" / f"v{v}"
+        versions.append((v, path, (path / "policy.json").stat().st_mtime - t0))
+    return {"summary": summary, "versions": versions, "seconds": summary["seconds"],
+            "trained_steps": summary["trained_steps"]}
+
+
+def _spread(items: list, n: int) -> list:
+    """At most ``n`` of ``items``, evenly spaced, the last always included.
+
+    Examples:
+        >>> _spread([2, 3, 4, 5, 6, 7, 8, 9, 10], 3)
+        [4, 7, 10]
+        >>> _spread([2, 3], 6)
+        [2, 3]
+    """
+    if len(items) <= n:
+        return list(items)
+    step = len(items) / n
+    return [items[min(len(items) - 1, round((i + 1) * step) - 1)] for i in range(n)]
 
 
 def bench_learning(bootstrap: str, workdir: Path, setup: LearningSetup = LearningSetup(), *,
@@ -200,47 +259,64 @@ def bench_learning(bootstrap: str, workdir: Path, setup: LearningSetup = Learnin
     all_levels = tuple(sorted({0, *setup.train_levels}))
 
     def evaluate(model: Path, version: int, elapsed: float, *, levels: tuple[int, ...] = all_levels,
-                 tasks: int = setup.eval_tasks) -> _Point:
+                 tasks: int = setup.eval_tasks, sampled: bool = True) -> _Point:
         t0 = time.perf_counter()
-        cells = evaluate_policy(model, bootstrap=bootstrap, topic=eval_topic, spool=workdir / "spool-eval",
-                                domains=setup.domains, levels=levels, tasks=tasks,
-                                max_steps=setup.eval_max_steps,
-                                max_tokens=setup.max_tokens, policy_version=version, policy=setup.policy)
-        point = _Point(policy_version=version, elapsed_s=round(elapsed, 1), by_domain_level=cells)
-        log(f"v{version} @ {elapsed:.0f} s: level 0 {point.rate(levels=(0,)):.3f}, levels "
-            f"{setup.train_levels} {point.rate(levels=setup.train_levels):.3f} "
-            f"{json.dumps({k: c['pass_rate'] for k, c in cells.items()})} (eval {time.perf_counter() - t0:.0f} s)")
+        kw = dict(bootstrap=bootstrap, topic=eval_topic, spool=workdir / "spool-eval", domains=setup.domains,
+                  levels=levels, max_steps=setup.eval_max_steps, max_tokens=setup.max_tokens,
+                  policy_version=version, policy=setup.policy)
+        point = _Point(policy_version=version, elapsed_s=round(elapsed, 1),
+                       by_domain_level=evaluate_policy(model, tasks=tasks, **kw))
+        if sampled and setup.eval_sampled_tasks:
+            point.sampled = evaluate_policy(model, tasks=setup.eval_sampled_tasks, temperature=setup.temperature,
+                                            seed=setup.eval_seed, **kw)
+        cells = lambda d: json.dumps({k: f"{c['passed']}/{c['episodes']}" for k, c in sorted(d.items())})  # noqa: E731
+        log(f"v{version} @ {elapsed:.0f} s: greedy level 0 {point.rate(levels=(0,)):.3f}, levels "
+            f"{setup.train_levels} {point.rate(levels=setup.train_levels):.3f} {cells(point.by_domain_level)}; "
+            f"sampled {point.rate(levels=setup.train_levels, sampled=True):.3f} {cells(point.sampled)} "
+            f"(eval {time.perf_counter() - t0:.0f} s)")
         return point
 
-    # 1. warm start from the log
+    # 1. warm start from the log (or from an earlier run's published policy)
     t_warm = time.perf_counter()
-    if setup.base_model is None:
-        tiny = workdir / "tiny"
-        params = _trajpipe(demos_env, logs, "model", "init-tiny", "--out", tiny, *setup.model_args)["params"]
+    params = warm_s = base = None
+    if setup.warm_start is not None:
+        v1, v1_version = setup.warm_start, int(setup.warm_start.name.lstrip("v"))
     else:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        if setup.base_model is None:
+            tiny = workdir / "tiny"
+            params = _trajpipe(demos_env, logs, "model", "init-tiny", "--out", tiny, *setup.model_args)["params"]
+        else:
+            from transformers import AutoConfig, AutoModelForCausalLM
 
-        tiny = setup.base_model
-        with __import__("torch").device("meta"):
-            params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny)).parameters())
-    demo = _trajpipe(demos_env, logs, "rollout", "--bootstrap", bootstrap, "--policy", "scripted", "--model", tiny,
-                     "--domains", domains, "--levels", setup.demo_levels, "--episodes", setup.demo_episodes,
-                     "--noise", setup.demo_noise, "--seed", setup.demo_seed, "--concurrency", 4)
-    demos = workdir / "demos"
-    _trajpipe(demos_env, logs, "pipeline", "run", "--source", "kafka", "--bootstrap", bootstrap, "--out", demos)
-    bc = _trajpipe(demos_env, logs, "train", "--config", setup.bc_config, "--data", demos, "--model", tiny,
-                   "--out", workdir / "bc")
-    v1 = workdir / "bc" / "policies" / f"v{bc['policy_version']}"
-    warm_s = time.perf_counter() - t_warm
-    log(f"warm start: {params} parameters, {demo['episodes']} demonstrations ({demo['passed']} passed), "
-        f"{bc['steps']} BC steps, {warm_s:.0f} s")
-    base = evaluate(tiny, 0, 0.0, levels=(0,), tasks=setup.base_eval_tasks) if setup.eval_base else None
-    curve = [evaluate(v1, bc["policy_version"], 0.0)]
+            tiny = setup.base_model
+            with __import__("torch").device("meta"):
+                params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny)).parameters())
+        demo = _trajpipe(demos_env, logs, "rollout", "--bootstrap", bootstrap, "--policy", "scripted", "--model", tiny,
+                         "--domains", domains, "--levels", setup.demo_levels, "--episodes", setup.demo_episodes,
+                         "--noise", setup.demo_noise, "--seed", setup.demo_seed, "--concurrency", 4)
+        demos = workdir / "demos"
+        _trajpipe(demos_env, logs, "pipeline", "run", "--source", "kafka", "--bootstrap", bootstrap, "--out", demos)
+        bc = _trajpipe(demos_env, logs, "train", "--config", setup.bc_config, "--data", demos, "--model", tiny,
+                       "--out", workdir / "bc")
+        v1_version = bc["policy_version"]
+        v1 = workdir / "bc" / "policies" / f"v{v1_version}"
+        warm_s = time.perf_counter() - t_warm
+        log(f"warm start: {params} parameters, {demo['episodes']} demonstrations ({demo['passed']} passed), "
+            f"{bc['steps']} BC steps, {warm_s:.0f} s")
+        if setup.eval_base:
+            base = evaluate(tiny, 0, 0.0, levels=(0,), tasks=setup.base_eval_tasks, sampled=False)
+    curve = [evaluate(v1, v1_version, 0.0)]
 
-    # 2. online GRPO from v1, real commands per iteration, until the budget is spent
-    current, version, spent, iteration, trained_steps = v1, bc["policy_version"], 0.0, 0, 0
+    # 2. online GRPO from v1 until the budget is spent
+    current, version, spent, iteration, trained_steps = v1, v1_version, 0.0, 0, 0
     iterations: list[dict] = []
-    while spent < setup.budget_s:
+    if setup.engine == "loop":
+        loop = _online_loop(setup, v1, workdir / "loop", bootstrap, logs)
+        spent, iteration, trained_steps = loop["seconds"], len(loop["versions"]), loop["trained_steps"]
+        iterations.append(loop["summary"])
+        for version, path, elapsed in _spread(loop["versions"], setup.loop_eval_versions):
+            curve.append(evaluate(path, version, elapsed))
+    while setup.engine == "commands" and spent < setup.budget_s:
         t0 = time.perf_counter()
         rollout = _trajpipe(rl_env, logs, "rollout", "--bootstrap", bootstrap, "--policy", setup.policy, "--model", current,
                   "--domains", domains, "--levels", ",".join(map(str, setup.train_levels)),
@@ -272,23 +348,38 @@ def bench_learning(bootstrap: str, workdir: Path, setup: LearningSetup = Learnin
         iteration += 1
         curve.append(evaluate(current, version, spent))
 
-    rate = lambda p: p.rate(levels=setup.train_levels)  # noqa: E731 - the loop's figure: level 0-1 mix
-    start, last, best = rate(curve[0]), rate(curve[-1]), max(rate(p) for p in curve[1:]) if curve[1:] else 0.0
-    figures: dict[str, float] = {
-        "bc_heldout_pass_rate": round(curve[0].rate(levels=(0,)), 4),
-        "bc_model_params": params,
-        "bc_warmstart_s": round(warm_s, 1),
-        "loop_pass_rate_gain": round(best - start, 4),
-        "loop_pass_rate_gain_last": round(last - start, 4),
+    # The loop's figures are on the level 0-1 mix, sampled (pass@1 at the training temperature: the policy
+    # the loop optimizes) and greedy (argmax decoding, the bc figure's decoding) side by side.
+    sampled = bool(setup.eval_sampled_tasks)
+
+    def gains(greedy: bool) -> tuple[float, float]:
+        rate = lambda p: p.rate(levels=setup.train_levels, sampled=not greedy)  # noqa: E731
+        start, last = rate(curve[0]), rate(curve[-1])
+        best = max(rate(p) for p in curve[1:]) if curve[1:] else start
+        return round(best - start, 4), round(last - start, 4)
+
+    figures: dict[str, float] = {}
+    if warm_s is not None:
+        figures |= {"bc_heldout_pass_rate": round(curve[0].rate(levels=(0,)), 4), "bc_model_params": params,
+                    "bc_warmstart_s": round(warm_s, 1)}
+    gain, gain_last = gains(greedy=not sampled)
+    greedy_gain, greedy_gain_last = gains(greedy=True)
+    figures |= {
+        "loop_pass_rate_gain": gain,
+        "loop_pass_rate_gain_last": gain_last,
+        "loop_greedy_pass_rate_gain": greedy_gain,
+        "loop_greedy_pass_rate_gain_last": greedy_gain_last,
         "loop_budget_s": setup.budget_s,
         "loop_wall_s": round(spent, 1),
         "loop_iterations": iteration,
         "loop_train_steps": trained_steps,
     }
     for point in curve:
-        figures[f"learning_v{point.policy_version}_pass_rate"] = round(rate(point), 4)
+        v = point.policy_version
+        figures[f"learning_v{v}_pass_rate"] = round(point.rate(levels=setup.train_levels, sampled=sampled), 4)
+        figures[f"learning_v{v}_greedy_pass_rate"] = round(point.rate(levels=setup.train_levels), 4)
         for d in setup.domains:
-            figures[f"learning_v{point.policy_version}_{d}"] = round(point.rate(domains=(d,), levels=setup.train_levels), 4)
+            figures[f"learning_v{v}_{d}"] = round(point.rate(domains=(d,), levels=setup.train_levels, sampled=sampled), 4)
     if base is not None:
         figures["bc_base_heldout_pass_rate"] = round(base.rate(levels=(0,)), 4)
     curve_doc = {"setup": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(setup).items()},
@@ -309,7 +400,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bc-config", type=Path, default=LearningSetup.bc_config)
     parser.add_argument("--grpo-config", type=Path, default=LearningSetup.grpo_config)
     parser.add_argument("--eval-tasks", type=int, default=LearningSetup.eval_tasks, help="per domain and level")
+    parser.add_argument("--eval-sampled-tasks", type=int, default=LearningSetup.eval_sampled_tasks,
+                        help="per domain and level, sampled at the training temperature (0: greedy only)")
     parser.add_argument("--groups-per-iter", type=int, default=LearningSetup.groups_per_iter)
+    parser.add_argument("--engine", choices=("loop", "commands"), default=LearningSetup.engine,
+                        help="loop: one `trajpipe loop` run; commands: rollout/pipeline/train per iteration")
+    parser.add_argument("--warm-start", type=Path, default=None,
+                        help="start the loop from this published policy directory (skip the warm start)")
     parser.add_argument("--no-eval-base", action="store_true", help="skip the base model's evaluation")
     parser.add_argument("--results", action="store_true",
                         help="also write bench/results/learning_curve.json (the CPU figure's curve)")
@@ -321,7 +418,9 @@ def main(argv: list[str] | None = None) -> int:
 
     setup = LearningSetup(budget_s=args.budget_s, base_model=args.model, policy=args.policy,
                           bc_config=args.bc_config.resolve(), grpo_config=args.grpo_config.resolve(),
-                          eval_tasks=args.eval_tasks, groups_per_iter=args.groups_per_iter,
+                          eval_tasks=args.eval_tasks, eval_sampled_tasks=args.eval_sampled_tasks,
+                          groups_per_iter=args.groups_per_iter, engine=args.engine,
+                          warm_start=args.warm_start.resolve() if args.warm_start else None,
                           eval_base=not args.no_eval_base)
     with tempfile.TemporaryDirectory(prefix="trajpipe-learning-") as tmp:
         workdir = args.workdir or Path(tmp)

@@ -114,6 +114,8 @@ class RolloutSettings(_Strict):
     workers: int = Field(1, ge=1, description="worker processes")
     policy: Literal["vllm", "hf"] = Field("vllm", description="vllm (default) or hf (transformers)")
     domains: list[str] = Field(["math", "code"], min_length=1, description="training domains")
+    levels: list[int] | None = Field(None, min_length=1, description="pin difficulty levels (default: the "
+                                     "scheduler's curriculum over every level)")
     group_size: int = Field(4, ge=1, description="episodes per task (GRPO group)")
     task_pool: int = Field(0, ge=0, description="tasks per domain and level drawn from a fixed pool (0: new ones)")
     concurrency: int = Field(4, ge=1, description="episodes in flight per worker")
@@ -218,6 +220,15 @@ def load_loop_config(path: str | Path) -> LoopConfig:
     if unknown:
         raise LoopConfigError(f"invalid loop config {path}: unknown domains {', '.join(unknown)}; "
                               f"known: {', '.join(known())}")
+    from rollout.envs import max_difficulty
+
+    for key, doms, levels in (("rollout.levels", cfg.rollout.domains, cfg.rollout.levels or []),
+                              ("eval.levels", cfg.eval.domains or cfg.rollout.domains, cfg.eval.levels)):
+        for d in doms:
+            bad = sorted({lv for lv in levels if not 0 <= lv <= max_difficulty(d)})
+            if bad:
+                raise LoopConfigError(f"invalid loop config {path}: `{key}` {bad} not levels of domain {d} "
+                                      f"(0..{max_difficulty(d)})")
     return cfg
 
 
@@ -557,6 +568,7 @@ class Loop:
             argv = _trajpipe(
                 "rollout", "--bootstrap", B, "--episodes", str(UNBOUNDED_EPISODES), "--policy", r.policy,
                 "--model", str(self.model), "--domains", ",".join(r.domains), "--group-size", str(r.group_size),
+                *(["--levels", ",".join(map(str, r.levels))] if r.levels else []),
                 "--task-pool", str(r.task_pool), "--concurrency", str(r.concurrency), "--max-steps",
                 str(r.max_steps), "--max-tokens", str(r.max_tokens), "--temperature", str(r.temperature),
                 "--seed", str(r.seed + 1000 * i), "--producer-id", f"loop-{name}",

@@ -49,6 +49,9 @@ def _write_config(path: Path, **changes) -> Path:
     ({"budget": {}}, "`budget` needs `seconds` and/or `policy_versions`"),
     ({"rollout.domains": ["chess"]}, "unknown domains chess"),
     ({"pipeline.mode": "micro"}, "`pipeline.mode`"),
+    ({"rollout.levels": [0, 5]}, "`rollout.levels` [5] not levels of domain math (0..2)"),
+    ({"rollout.levels": []}, "`rollout.levels`"),
+    ({"eval.levels": [-1]}, "`eval.levels` [-1] not levels of domain math"),
 ])
 def test_bad_config_is_one_error_line(tmp_path: Path, change: dict, expected: str) -> None:
     cfg = _write_config(tmp_path / "loop.yaml", run_dir=str(tmp_path / "run"), model=str(tmp_path / "m"), **change)
@@ -68,6 +71,33 @@ def test_missing_config_model_and_resume_of_nothing(tmp_path: Path) -> None:
     (tmp_path / "run").mkdir()
     proc = _trajpipe("loop", "--config", str(cfg), "--resume", cwd=tmp_path)
     assert proc.returncode == 2 and "no loop run" in proc.stderr, proc.stderr
+
+
+def test_rollout_levels_and_staleness_budget_reach_the_worker_command(tmp_path: Path) -> None:
+    """``rollout.levels`` pins the workers' levels; the staleness budget comes from the trainer recipe."""
+    from trajpipe.loop import Loop, load_loop_config
+
+    tiny = tmp_path / "tiny"  # what prepare() checks of a model dir; nothing here loads it
+    tiny.mkdir()
+    (tiny / "config.json").write_text('{"model_type": "llama"}')
+    (tiny / "model.safetensors").write_bytes(b"")
+    cfg = _write_config(tmp_path / "loop.yaml", run_dir=str(tmp_path / "run"), model=str(tiny),
+                        **{"rollout.levels": [0, 2], "rollout.workers": 2})
+    loop = Loop(load_loop_config(cfg), resume=False, echo=lambda _: None)
+    loop.prepare()
+    loop.bootstrap = "127.0.0.1:1"
+    loop.build_children()
+    for i in range(2):
+        argv = loop.children[f"rollout-{i}"].argv
+        assert argv[argv.index("--levels") + 1] == "0,2"
+        # batch 2 x grad_accum 1 x publish_every 2 = 4 episodes per version, shared by 2 workers
+        assert argv[argv.index("--samples-per-version") + 1] == "2"
+    unpinned = _write_config(tmp_path / "loop2.yaml", run_dir=str(tmp_path / "run2"), model=str(tiny))
+    loop2 = Loop(load_loop_config(unpinned), resume=False, echo=lambda _: None)
+    loop2.prepare()
+    loop2.bootstrap = "127.0.0.1:1"
+    loop2.build_children()
+    assert "--levels" not in loop2.children["rollout-0"].argv
 
 
 # ------------------------------------------------------------------------------------------------ slow
