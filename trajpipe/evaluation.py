@@ -15,6 +15,7 @@ from pathlib import Path
 import typer
 
 from trajpipe.settings import load_settings
+from trajpipe.shutdown import close_policy, flush_and_report
 
 __all__ = ["run_eval"]
 
@@ -131,12 +132,6 @@ def run_eval(*, bootstrap: str | None, config: str | None, policy_version: str |
         try:
             result = run_evaluation(actor, emit=producer.emit, config=cfg, stop=stop, on_episode=progress_for(version))
         finally:
-            close = getattr(actor, "close", None)
-            if close is not None:
-                close()
-        stats = producer.flush()
-    if stop.is_set():
-        typer.echo(f"eval: stopped by signal: {result.aborted} episodes aborted, events flushed", err=True)
-    if stats.spooled:
-        typer.echo(f"Kafka became unreachable: {stats.spooled} events kept in {spool}", err=True)
+            close_policy(actor)
+        flush_and_report(producer, stop=stop, aborted=result.aborted, prefix="eval: ")
     report(result)
