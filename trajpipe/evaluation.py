@@ -76,6 +76,7 @@ def run_eval(*, bootstrap: str | None, config: str | None, policy_version: str |
         ControlReader,
         EvalConfig,
         eval_tasks,
+        find_finished_evaluation,
         follow_evaluations,
         load_policy,
         resolve_version,
@@ -115,8 +116,12 @@ def run_eval(*, bootstrap: str | None, config: str | None, policy_version: str |
 
         if follow:
             typer.echo(f"eval: following {topics.control}; Ctrl-C or SIGTERM stops", err=True)
+            def already_evaluated(event, published_ms: int) -> str | None:
+                return find_finished_evaluation(conn, topics.events, event, tasks=eval_tasks(cfg),
+                                                since_ms=published_ms)
+
             follow_evaluations(reader, kind=policy, config=cfg, emit=producer.emit, flush=producer.flush, stop=stop,
-                               on_result=report, progress_for=progress_for)
+                               on_result=report, progress_for=progress_for, already_evaluated=already_evaluated)
             typer.echo("eval: stopped", err=True)
             return
         if model is not None:
