@@ -37,6 +37,11 @@ from pathlib import Path
 import trainer.recipes.rl as rl
 from trainer.config import load_train_config
 
+# What each run would import lazily (most of a run's time), imported once here before the forks.
+import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  (DeepSpeed's optimizer check imports it)
+import transformers.models.llama.modeling_llama  # noqa: F401
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
 plan = json.loads(sys.argv[1])
 
 
@@ -134,6 +139,7 @@ def test_sigkill_at_each_point_of_publish_and_checkpoint_never_forks_the_lineage
     proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(plan)], cwd=REPO, capture_output=True,
                           text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-4000:]
+    print("\n".join(line for line in proc.stderr.splitlines() if line.startswith("run ")))  # each run's wall time
     # every injected kill happened, and the final run and the uninterrupted reference ended normally
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [-9, -9, -9, -9, 0, 0], proc.stderr[-4000:]
 
