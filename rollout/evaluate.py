@@ -20,9 +20,12 @@ its events flushed) it commits the offset after that version's
 ``policy_published`` record, and a follower started later evaluates every
 version from the group's committed offset on (from the topic's start for a
 new group), the ones published while no follower ran included. An evaluation
-cut short by ``stop`` is not committed, so it is run again. Delivery is
-at-least-once: a follower stopped between the flush and the commit evaluates
-that version once more (another ``eval_run`` in the ``evaluations`` table).
+cut short by ``stop`` is not committed, so it is run again. Exactly once as
+readers see it: a follower stopped between the flush and the commit left a
+finished evaluation on the events topic whose version is still unhandled; the
+next follower looks for it first (:func:`find_finished_evaluation`, the
+``already_evaluated`` hook of :func:`follow_evaluations`), commits the version
+and does not evaluate it again.
 
 The result (:class:`EvalResult`) counts episodes and passes per
 ``<domain>/<level>``; ``pass_rate`` is ``passed / episodes`` over the episodes
@@ -60,7 +63,9 @@ from rollout.scheduler import ScheduledTask
 from rollout.worker import EpisodeResult, RolloutConfig, RolloutCounts, RolloutWorker
 from rollout.envs import Task
 from schemas.codec import EventDecodeError, decode_event
-from schemas.events import PURPOSE_EVAL, EpisodeStatus, Event, PolicyPublished, SamplingParams
+from schemas.events import (
+    PURPOSE_EVAL, EpisodeFinished, EpisodeStarted, EpisodeStatus, Event, PolicyPublished, SamplingParams,
+)
 from streams.config import KafkaConnection
 from streams.consumer import commit_offsets
 from streams.errors import check_kafka
@@ -77,6 +82,7 @@ __all__ = [
     "resolve_version",
     "run_evaluation",
     "follow_evaluations",
+    "find_finished_evaluation",
 ]
 
 log = logging.getLogger(__name__)
@@ -328,6 +334,7 @@ class ControlReader:
         self._tps: list[TopicPartition] = []
         self.versions: dict[int, PolicyPublished] = {}
         self._position: dict[int, tuple[int, int]] = {}  # version -> (partition, offset) of its record
+        self.published_ms: dict[int, int] = {}  # version -> its record's timestamp (ms since the epoch)
 
     def __enter__(self) -> ControlReader:
         return self
@@ -365,6 +372,7 @@ class ControlReader:
                     continue
                 self.versions[event.version] = event
                 self._position[event.version] = (rec.partition, rec.offset)
+                self.published_ms[event.version] = rec.timestamp
                 new.append(event)
         return sorted(new, key=lambda e: e.version)
 
@@ -444,6 +452,65 @@ def resolve_version(versions: dict[int, PolicyPublished], wanted: str | int, *, 
     return versions[version]
 
 
+def find_finished_evaluation(conn: KafkaConnection, topic: str, event: PolicyPublished, *, tasks: Iterable[Task],
+                             since_ms: int, skew_ms: int = 60_000, timeout_s: float = 60.0) -> str | None:
+    """The ``eval_run`` of an evaluation of ``event``'s version already finished on the events topic, or None.
+
+    Finished: one eval run (episodes ``<eval_run>-<n>``, purpose ``eval``, ``event``'s version and lineage)
+    closed an episode of every task in ``tasks`` with a status other than ``aborted``, the same test as
+    :attr:`EvalResult.complete`. Reads ``topic`` from the records stamped ``since_ms - skew_ms`` on (an
+    evaluation of a version starts after its publication; ``skew_ms`` allows for the clocks of the trainer's
+    and the evaluator's hosts) to the end offsets at the call.
+
+    Args:
+        conn: the cluster.
+        topic: the events topic.
+        event: the version's ``policy_published``.
+        tasks: the tasks an evaluation runs (:func:`eval_tasks`).
+        since_ms: timestamp of the ``policy_published`` record (:attr:`ControlReader.published_ms`).
+        skew_ms: how far before ``since_ms`` to start reading.
+        timeout_s: longest time to read to the end.
+
+    Raises:
+        TimeoutError: the topic was not read to its end within ``timeout_s``.
+    """
+    wanted = {t.task_id for t in tasks}
+    started: dict[str, str] = {}  # episode id -> task id, for the version's eval episodes
+    finished: dict[str, str] = {}  # episode id -> status
+    consumer = KafkaConsumer(**conn.client_kwargs(), group_id=None, enable_auto_commit=False)
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        if not tps:
+            return None
+        consumer.assign(tps)
+        end = consumer.end_offsets(tps)
+        starts = consumer.offsets_for_times({tp: max(0, since_ms - skew_ms) for tp in tps})
+        for tp in tps:
+            consumer.seek(tp, starts[tp].offset if starts.get(tp) is not None else end[tp])
+        deadline = time.monotonic() + timeout_s
+        while any(consumer.position(tp) < end[tp] for tp in tps):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"events topic {topic!r} not read to its end within {timeout_s:g} s")
+            for recs in consumer.poll(timeout_ms=500).values():
+                for rec in recs:
+                    try:
+                        ev = decode_event(rec.value)
+                    except EventDecodeError:
+                        continue  # the pipeline dead-letters it; it is no evaluation's
+                    if (isinstance(ev, EpisodeStarted) and ev.purpose == PURPOSE_EVAL
+                            and ev.policy_version == event.version and ev.policy_lineage == event.lineage):
+                        started[ev.episode_id] = ev.task_id
+                    elif isinstance(ev, EpisodeFinished):
+                        finished[ev.episode_id] = ev.status
+    finally:
+        consumer.close()
+    done: dict[str, set[str]] = {}
+    for episode_id, task_id in started.items():
+        if finished.get(episode_id, EpisodeStatus.ABORTED) != EpisodeStatus.ABORTED:
+            done.setdefault(episode_id.rsplit("-", 1)[0], set()).add(task_id)
+    return next((run for run, ts in sorted(done.items()) if wanted <= ts), None)
+
+
 @dataclass
 class _Follow:
     """State of :func:`follow_evaluations`: the policy in use and the last version evaluated."""
@@ -457,6 +524,7 @@ def follow_evaluations(reader: ControlReader, *, kind: str, config: EvalConfig, 
                        flush: Callable[[], object], stop: threading.Event,
                        on_result: Callable[[EvalResult], None], poll_ms: int = 500,
                        progress_for: Callable[[int], Callable[[EpisodeResult, RolloutCounts], None]] | None = None,
+                       already_evaluated: Callable[[PolicyPublished, int], str | None] | None = None,
                        ) -> list[EvalResult]:
     """Evaluate published versions in order until ``stop``: the backlog at start, then each new one.
 
@@ -479,6 +547,11 @@ def follow_evaluations(reader: ControlReader, *, kind: str, config: EvalConfig, 
         on_result: called with each evaluation's result (the CLI prints its line).
         poll_ms: longest wait for a publication between checks of ``stop``.
         progress_for: ``progress_for(version)`` gives the episode callback of that version's evaluation.
+        already_evaluated: with a group, ``already_evaluated(event, published_ms)`` is asked about the first
+            version of the backlog (the only one a follower can have stopped on between the flush and the
+            commit: versions are committed in order) and returns the ``eval_run`` of its finished evaluation
+            on the events topic, or None; found, the version is committed and not evaluated again
+            (e.g. :func:`find_finished_evaluation`).
 
     Returns:
         The results, in order.
@@ -489,6 +562,14 @@ def follow_evaluations(reader: ControlReader, *, kind: str, config: EvalConfig, 
         pending = reader.unhandled()
     else:
         pending = sorted(published.values(), key=lambda e: e.version)[-1:]  # the newest at start
+    if pending and reader.group_id is not None and already_evaluated is not None:
+        first = pending[0]
+        eval_run = already_evaluated(first, reader.published_ms[first.version])
+        if eval_run is not None:
+            log.info("v%d was evaluated already (%s) but not committed: committing it", first.version, eval_run)
+            reader.commit(first)
+            state.last = first.version
+            pending.pop(0)
     if pending:
         log.info("evaluating %s, then each version published after", ", ".join(f"v{e.version}" for e in pending))
     while not stop.is_set():

@@ -199,7 +199,8 @@ class RolloutCounts(msgspec.Struct, kw_only=True):
         policy_versions: episodes per policy version.
         groups: groups of episodes started (a group of one per task when ``group_size`` is 1).
         reloads: policy versions applied.
-        throttled_s: time the staleness control held new groups back (``RolloutConfig.samples_per_version``).
+        throttled_s: seconds the staleness control held new groups back (``RolloutConfig.samples_per_version``),
+            a hold still in progress when the run ends included.
         throttle_releases: groups its liveness valve let through.
         stuck: episodes closed at shutdown while their thread was still busy (abandoned).
         elapsed_s: wall time of the run, seconds.
@@ -228,7 +229,8 @@ class RolloutCounts(msgspec.Struct, kw_only=True):
         """The CLI's last-line JSON object."""
         return {"episodes": self.episodes, "events": self.events, "passed": self.passed, "aborted": self.aborted,
                 "errors": self.errors, "groups": self.groups, "episodes_per_s": round(self.episodes_per_s, 3),
-                "domains": {d: msgspec.to_builtins(c) for d, c in sorted(self.domains.items())}}
+                "domains": {d: msgspec.to_builtins(c) for d, c in sorted(self.domains.items())},
+                "throttled_s": round(self.throttled_s, 3), "throttle_releases": self.throttle_releases}
 
 
 def make_scheduler(domains: list[str], *, seed: int = 0, adaptive: bool = True, task_pool: int = 0,
@@ -431,6 +433,9 @@ class RolloutWorker:
                                                      num_events=n), t0)
         finally:
             pool.shutdown(wait=not in_flight, cancel_futures=True)
+            if self._held_since is not None:  # a hold still in progress when the run ends counts too
+                self.counts.throttled_s += time.monotonic() - self._held_since
+                self._held_since = None
         self.counts.elapsed_s = time.monotonic() - t0
         return self.counts
 

@@ -12,6 +12,7 @@ Examples:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -269,13 +270,16 @@ _FLAGS = {
 
 
 def describe_validation_error(err: ValidationError, *, flags: dict[str, str] | None = None,
-                              see: str = "see trainer/configs/*.yaml and docs/trainer.md") -> str:
+                              see: str = "see trainer/configs/*.yaml and docs/trainer.md",
+                              sources: Callable[[str], str] | None = None) -> str:
     """Each problem of a config on one line: the setting (and its flag), what is wrong, the value given.
 
     Args:
         err: pydantic's error.
         flags: setting key -> the command-line flag that sets it (named beside the key).
         see: where the valid settings are documented (named for an unknown key).
+        sources: setting key -> where else it can be set (e.g. its environment variable), named beside
+            the key where ``flags`` has no flag for it.
     """
     flags = flags or {}
     parts = []
@@ -285,7 +289,10 @@ def describe_validation_error(err: ValidationError, *, flags: dict[str, str] | N
         if not key:  # a model-level check: its message names the settings itself
             parts.append(msg)
             continue
-        where = f"`{flags[key]}` ({key})" if key in flags else f"`{key}`"
+        if key in flags:
+            where = f"`{flags[key]}` ({key})"
+        else:
+            where = f"`{key}` ({sources(key)})" if sources is not None else f"`{key}`"
         if e["type"] == "missing":
             parts.append(f"{where} is required")
         elif e["type"] == "extra_forbidden":

@@ -35,6 +35,7 @@ except ImportError:  # older typer: click itself
     from click import exceptions as _click_errors
 
 from trajpipe.settings import load_settings
+from trajpipe.shutdown import close_policy, flush_and_report
 
 __all__ = ["app", "main", "report_error", "USER_ERRORS", "CommandLineError", "ModelDirError"]
 
@@ -761,17 +762,11 @@ def rollout(
         finally:
             if follower is not None:
                 follower.close()
-            close = getattr(worker.policy, "close", None)
-            if close is not None:
-                close()
-        stats = producer.flush()
-    if stop.is_set():
-        typer.echo(f"stopped by signal: {counts.aborted} episodes aborted, events flushed", err=True)
+            close_policy(worker.policy)
+        flush_and_report(producer, stop=stop, aborted=counts.aborted)
     if samples_per_version:
         typer.echo(f"staleness control: held new groups back {counts.throttled_s:.1f} s, released "
                    f"{counts.throttle_releases} groups without a new version", err=True)
-    if stats.spooled:
-        typer.echo(f"Kafka unreachable: {stats.spooled} events kept in the spool; they replay on the next run", err=True)
     _print_counts(counts.summary())
     if counts.stuck:  # their threads never returned; events are flushed, so leave without joining them
         typer.echo(f"{counts.stuck} episodes were stuck at shutdown (closed as aborted); exiting", err=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 import typer
 
 from trajpipe.settings import load_settings
+from trajpipe.shutdown import close_policy, flush_and_report
 
 __all__ = ["run_eval"]
 
@@ -75,6 +76,7 @@ def run_eval(*, bootstrap: str | None, config: str | None, policy_version: str |
         ControlReader,
         EvalConfig,
         eval_tasks,
+        find_finished_evaluation,
         follow_evaluations,
         load_policy,
         resolve_version,
@@ -114,8 +116,12 @@ def run_eval(*, bootstrap: str | None, config: str | None, policy_version: str |
 
         if follow:
             typer.echo(f"eval: following {topics.control}; Ctrl-C or SIGTERM stops", err=True)
+            def already_evaluated(event, published_ms: int) -> str | None:
+                return find_finished_evaluation(conn, topics.events, event, tasks=eval_tasks(cfg),
+                                                since_ms=published_ms)
+
             follow_evaluations(reader, kind=policy, config=cfg, emit=producer.emit, flush=producer.flush, stop=stop,
-                               on_result=report, progress_for=progress_for)
+                               on_result=report, progress_for=progress_for, already_evaluated=already_evaluated)
             typer.echo("eval: stopped", err=True)
             return
         if model is not None:
@@ -131,12 +137,6 @@ def run_eval(*, bootstrap: str | None, config: str | None, policy_version: str |
         try:
             result = run_evaluation(actor, emit=producer.emit, config=cfg, stop=stop, on_episode=progress_for(version))
         finally:
-            close = getattr(actor, "close", None)
-            if close is not None:
-                close()
-        stats = producer.flush()
-    if stop.is_set():
-        typer.echo(f"eval: stopped by signal: {result.aborted} episodes aborted, events flushed", err=True)
-    if stats.spooled:
-        typer.echo(f"Kafka became unreachable: {stats.spooled} events kept in {spool}", err=True)
+            close_policy(actor)
+        flush_and_report(producer, stop=stop, aborted=result.aborted, prefix="eval: ")
     report(result)

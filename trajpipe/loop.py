@@ -43,7 +43,7 @@ version of the run without a finished evaluation, in order, then the new ones).
 
 **A loop killed itself** (kill -9, the OOM killer) cannot stop its children in order, so each ends by itself:
 the kernel sends it SIGTERM when the loop dies (:mod:`trajpipe.lifeline`), and it stops as at a clean stop
-(the trainer at once, or after the publish and checkpoint in hand; the evaluator without committing the
+(the trainer at once, or after the checkpoint and publication in hand; the evaluator without committing the
 evaluation in flight). Nothing goes on publishing versions that nothing evaluates. ``--resume`` still looks
 for processes left over (by their recorded pids) and stops them first: a child slow to stop, or a system
 without ``PR_SET_PDEATHSIG``.

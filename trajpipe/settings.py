@@ -36,6 +36,7 @@ from pydantic import BaseModel, Field, PrivateAttr, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from streams.config import ConfigError, KafkaConnection, Topics
+from trainer.config import describe_validation_error
 
 __all__ = ["KafkaSettings", "TopicSettings", "Settings", "load_settings"]
 
@@ -217,9 +218,6 @@ def load_settings(config: str | None = None, **overrides: Any) -> Settings:
 
 def _describe(err: ValidationError) -> str:
     """Each problem on one line: the setting, where it can come from, what is wrong, the value given."""
-    parts = []
-    for e in err.errors():
-        loc = [str(x) for x in e["loc"]]
-        env = "TRAJPIPE_" + "__".join(loc).upper()
-        parts.append(f"`{'.'.join(loc)}` (config file key, or {env}): {e['msg']}, got {e.get('input')!r}")
-    return "; ".join(parts)
+    return describe_validation_error(
+        err, see="see the settings in trajpipe/settings.py's docstring and docs/broker.md",
+        sources=lambda key: f"config file key, or TRAJPIPE_{key.replace('.', '__').upper()}")

@@ -373,3 +373,58 @@ def test_rollout_cli_refuses_staleness_control_without_following_policies(tmp_pa
                                       "--no-follow-policies", "--spool-dir", str(tmp_path)])
     assert result.exit_code == 2
     assert "`--samples-per-version` waits for new policy versions; it needs `--follow-policies`" in result.output
+
+
+def test_staleness_control_counts_a_hold_still_in_progress_when_the_run_ends():
+    # budget 2 x (0 + 0 + 1) = 2 episodes at v0, no new version, the valve far away: held from the 2nd verdict
+    # until the stop ~1.5 s later; that hold is in throttled_s although nothing ended it
+    stop = threading.Event()
+    events: list[AnyEvent] = []
+
+    def on_episode(_result, counts) -> None:
+        if counts.episodes == 2:
+            threading.Timer(1.5, stop.set).start()
+
+    worker = RolloutWorker(ScriptedPolicy(seed=4), emit=events.append, scheduler=make_scheduler(["tools"], seed=4),
+                           on_episode=on_episode,
+                           config=RolloutConfig(episodes=6, concurrency=2, max_steps=4, group_size=1,
+                                                samples_per_version=2, max_ahead=0, throttle_release_s=600))
+    counts = worker.run(stop)
+    assert counts.episodes == 2 and counts.throttle_releases == 0
+    assert 1.3 <= counts.throttled_s <= counts.elapsed_s
+    assert counts.summary()["throttled_s"] == round(counts.throttled_s, 3)
+
+
+@pytest.mark.integration
+def test_rollout_cli_last_line_has_the_staleness_control_counts(kafka_broker, topic_name, tmp_path):
+    """A rollout held by the staleness control when SIGTERM stops it: the hold is in the last line's counts."""
+    conn = KafkaConnection(bootstrap_servers=kafka_broker.bootstrap, request_timeout_ms=5_000)
+    proc = subprocess.Popen(
+        _rollout_cmd(kafka_broker.bootstrap, tmp_path / "spool", "--policy", "scripted", "--episodes", "6",
+                     "--domains", "tools", "--concurrency", "1", "--max-steps", "4", "--samples-per-version", "2",
+                     "--max-ahead", "0"),
+        cwd=REPO, env=_env(topic_name), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        finished = 0
+        while finished < 2 and time.monotonic() < deadline:  # the budget of 2 episodes is used: held from now
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            time.sleep(0.5)
+            try:
+                finished = sum(isinstance(e, EpisodeFinished) for e in read_events(conn, topic_name))
+            except (UnknownTopicError, StreamTimeoutError):  # the topic may not exist yet
+                pass
+        time.sleep(2.0)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    counts = json.loads(out.strip().splitlines()[-1])
+    assert list(counts) == ["episodes", "events", "passed", "aborted", "errors", "groups", "episodes_per_s",
+                            "domains", "throttled_s", "throttle_releases"]
+    assert counts["episodes"] == 2 and counts["throttle_releases"] == 0
+    assert counts["throttled_s"] >= 1.5, counts
+    assert "staleness control: held new groups back" in err

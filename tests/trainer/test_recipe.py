@@ -88,12 +88,14 @@ def test_crash_and_resume_sees_exactly_the_same_samples(tiny_model, vocab_size, 
     over = {"log_sample_ids": True, "objective.name": "ppo", "checkpoint.every": 2, "data.max_epochs": None}
     # uninterrupted: 6 steps
     run(_cfg(tiny_model, data, tmp_path / "a", **over), progress=False)
-    # crashed after step 5 (last checkpoint at step 4), then resumed to step 6
-    crashed = RLRecipe(_cfg(tiny_model, data, tmp_path / "b", **over, **{"checkpoint.at_end": False}), progress=False)
+    # crashed after step 5 (last checkpoint at step 4, with v1 published there), then resumed to step 6
+    crashed = RLRecipe(_cfg(tiny_model, data, tmp_path / "b", **over, **{
+        "checkpoint.at_end": False, "publish.at_end": False, "publish.every": 4}), progress=False)
     crashed.setup()
     crashed.train(max_steps=5)
-    crashed.cleanup()  # no final checkpoint: the process "died" after step 5
-    summary = run(_cfg(tiny_model, data, tmp_path / "b", **over, resume=True, max_steps=6), progress=False)
+    crashed.cleanup()  # no final checkpoint or publication: the process "died" after step 5
+    summary = run(_cfg(tiny_model, data, tmp_path / "b", **over, resume=True, max_steps=6, **{"publish.every": 4}),
+                  progress=False)
     assert summary["steps"] == 6
     a = _samples(tmp_path / "a")
     b_lines = [json.loads(x) for x in (tmp_path / "b" / "samples.jsonl").read_text().splitlines()]
@@ -108,9 +110,10 @@ def test_crash_and_resume_sees_exactly_the_same_samples(tiny_model, vocab_size, 
     lb_resumed = {d["step"]: d["train/loss"] for d in lb if d["step"] >= 5}
     assert lb_resumed[6] == pytest.approx(la[6], rel=1e-4, abs=1e-6)
     # the resumed run kept the lineage of the first start (saved in the checkpoint): the crashed process
-    # published v1 at its end, the resumed one v2; another run has another lineage
+    # published v1 at step 4, the resumed one v2 at its end; another run has another lineage
     lineage = read_policy(tmp_path / "b" / "policies" / "v1").lineage
     assert lineage and read_policy(tmp_path / "b" / "policies" / "v2").lineage == lineage
+    assert [read_policy(tmp_path / "b" / "policies" / f"v{v}").train_step for v in (1, 2)] == [4, 6]
     assert read_policy(tmp_path / "a" / "policies" / "v1").lineage not in ("", lineage)
 
 

@@ -45,3 +45,17 @@ def test_a_bad_environment_is_a_config_error_naming_the_variable(monkeypatch):
     monkeypatch.setenv("TRAJPIPE_KAFKA", "{not json")  # was pydantic-settings' SettingsError
     with pytest.raises(ConfigError, match="TRAJPIPE_KAFKA__BOOTSTRAP_SERVERS=host:9092"):
         load_settings(None)
+
+
+def test_every_invalid_setting_is_named_on_one_line_by_the_trainers_describer(tmp_path):
+    # trajpipe/settings.py and trainer/config.py describe pydantic errors with one function
+    path = tmp_path / "two.yaml"
+    path.write_bytes(b"topics:\n  partitions: many\nkafka:\n  connect_timeout_s: [1]\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings(str(path), bootstrap="h:1")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("invalid settings: ")
+    assert "`topics.partitions` (config file key, or TRAJPIPE_TOPICS__PARTITIONS): " in message
+    assert "got 'many'" in message
+    assert "`kafka.connect_timeout_s` (config file key, or TRAJPIPE_KAFKA__CONNECT_TIMEOUT_S): " in message
+    assert "; " in message and "got [1]" in message

@@ -36,6 +36,11 @@ lineage of ``--model`` when it is a published policy — training continues its
 chain, from its version — else a random id chosen at the first start; kept in
 the checkpoint, so ``--resume`` continues the same lineage). Published policies carry it (``policy.json``,
 ``policy_published.lineage``); staleness compares versions only within it.
+
+**Checkpoint, then publish.** A version is announced only after a checkpoint holds
+its weights and its number (:meth:`RLRecipe._checkpoint_and_publish`); a resume from
+that checkpoint finishes the publication with the same weights, so a SIGKILL at any
+point never makes two policies of one version number (docs/trainer.md).
 """
 
 from __future__ import annotations
@@ -193,6 +198,11 @@ class RLRecipe:
                         "another lineage (infinitely stale)", self.lineage, saved, saved)
         self.loader.load_state_dict(state["data"][self.rank])
         _set_rng_state(state["rng"][self.rank])
+        self._last_checkpoint_step = self.step
+        # A checkpoint taken for a publication (see _checkpoint_and_publish) holds that version's weights: the
+        # trainer may have died before the version was written or announced. Finish it: same number, same weights.
+        if state.get("publish_version") is not None:
+            self.publish()
 
     # ------------------------------------------------------------------ train
 
@@ -368,17 +378,12 @@ class RLRecipe:
                     bar.update(task, completed=self.step, info=(
                         f"loss {metrics['train/loss']:.4f}  reward {metrics['train/reward']:.3f}  "
                         f"{metrics['perf/tokens_per_s']:,.0f} tok/s  wait {metrics['perf/data_wait_fraction']:.0%}"))
-                # One unit against SIGTERM/SIGINT: stopped between the two, the trainer would resume from the
-                # previous checkpoint and publish the next version with the one just published skipped as parent.
-                with _stop_signals_deferred():
-                    if cfg.publish.every and self.step % cfg.publish.every == 0:
-                        self.publish()
-                    if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                        self.save_checkpoint()
-        if cfg.publish.at_end and self.step > 0 and self._last_published_step != self.step:
-            self.publish()
-        if cfg.checkpoint.at_end and self._last_checkpoint_step != self.step:
-            self.save_checkpoint()
+                self._checkpoint_and_publish(
+                    publish=bool(cfg.publish.every and self.step % cfg.publish.every == 0),
+                    checkpoint=bool(cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0))
+        self._checkpoint_and_publish(
+            publish=cfg.publish.at_end and self.step > 0 and self._last_published_step != self.step,
+            checkpoint=cfg.checkpoint.at_end and self._last_checkpoint_step != self.step)
         return {"steps": self.step, "tokens": self.tokens, "policy_version": self.policy_version}
 
     # ------------------------------------------------------------------ checkpoint / publish
@@ -388,12 +393,40 @@ class RLRecipe:
         torch.distributed.all_gather_object(out, obj)
         return out
 
-    def save_checkpoint(self) -> None:
-        """Model, optimizer, scheduler, every rank's RNG and dataset position, under tag ``step-<n>``."""
+    def _checkpoint_and_publish(self, *, publish: bool, checkpoint: bool) -> None:
+        """Checkpoint, then publish: a version is announced only once a checkpoint holds its weights.
+
+        A publication always checkpoints first, with the new version already taken (``publish_version`` in
+        the client state). Killed at any point of the pair, the trainer resumes from a checkpoint that either
+        predates the version (nothing of it was announced: the steps are trained again and publish it, once)
+        or is the version itself (:meth:`_resume` finishes its publication with the checkpoint's weights), so
+        an announced version number is never trained again with other weights. SIGTERM/SIGINT are deferred
+        to the end of the pair.
+        """
+        if not (publish or checkpoint):
+            return
+        with _stop_signals_deferred():
+            if publish:
+                version = self._gather(next_policy_version(self.store, current=self.policy_version)
+                                       if self.is_main else None)[0]
+                self.parent_version, self.policy_version = self.policy_version, version
+                self.save_checkpoint(publish_version=version)
+                self.publish()
+            else:
+                self.save_checkpoint()
+
+    def save_checkpoint(self, *, publish_version: int | None = None) -> None:
+        """Model, optimizer, scheduler, every rank's RNG and dataset position, under tag ``step-<n>``.
+
+        Args:
+            publish_version: these weights are that policy version, about to be published
+                (:meth:`_checkpoint_and_publish`); a resume from this checkpoint makes sure it is.
+        """
         client_state = {
             "step": self.step, "tokens": self.tokens, "policy_version": self.policy_version,
             "parent_version": self.parent_version, "lineage": self.lineage, "skipped_steps": self.skipped_steps,
             "data": self._gather(self.loader.state_dict()), "rng": self._gather(_rng_state()),
+            "publish_version": publish_version,
         }
         self.engine.save_checkpoint(self.ckpt_dir, tag=f"step-{self.step}", client_state=client_state)
         self._last_checkpoint_step = self.step
@@ -404,24 +437,41 @@ class RLRecipe:
                 shutil.rmtree(old, ignore_errors=True)
 
     def publish(self) -> None:
-        """Write the next policy version to the store and announce it (collective under ZeRO-3)."""
+        """Write the current policy version (``policy_version``, taken by :meth:`_checkpoint_and_publish`) to the
+        store and announce it (collective under ZeRO-3).
+
+        Idempotent: a version already in the store (written before a crash, by this lineage at this step) is
+        announced again, not rewritten; its ``policy_published`` has the same event id (deduplicated downstream).
+
+        Raises:
+            ValueError: the store holds this version number from another lineage or step.
+        """
         state_dict = self.engine.full_state_dict()
         positions = self._gather(self.loader.state_dict())
-        version = None
+        version = self.policy_version
         if self.is_main:
-            version = next_policy_version(self.store, current=self.policy_version)
-            save = save_merged_weights(self.engine.module, state_dict, base_model=Path(self.cfg.model),
-                                       lora_merge=self.cfg.lora.merge_on_publish)
-            record = write_policy(
-                self.store, version=version, parent_version=self.policy_version, base_model=Path(self.cfg.model),
-                train_step=self.step, save_weights=save, adapter=self.cfg.lora.group if self.cfg.lora.enabled else None,
-                lineage=self.lineage, dataset_position=positions,
-            )
+            final = self.store / f"v{version}"
+            if final.is_dir():
+                record = read_policy(final)
+                if (record.lineage, record.train_step) != (self.lineage, self.step):
+                    raise ValueError(
+                        f"policy store {self.store} already holds v{version} of lineage {record.lineage!r} at step "
+                        f"{record.train_step}, not this run's ({self.lineage!r}, step {self.step}); give the run "
+                        "its own `publish.store`")
+                log.info("v%d is in the store already (written before a crash): announcing it", version)
+            else:
+                save = save_merged_weights(self.engine.module, state_dict, base_model=Path(self.cfg.model),
+                                           lora_merge=self.cfg.lora.merge_on_publish)
+                record = write_policy(
+                    self.store, version=version, parent_version=self.parent_version,
+                    base_model=Path(self.cfg.model), train_step=self.step, save_weights=save,
+                    adapter=self.cfg.lora.group if self.cfg.lora.enabled else None,
+                    lineage=self.lineage, dataset_position=positions,
+                )
             if self.emit_event is not None:
                 emit_policy_published(self.emit_event, record, domain=self.cfg.publish.domain)
             log.info("published policy v%d at step %d: %s", version, self.step, record.location)
-        version = self._gather(version)[0]
-        self.parent_version, self.policy_version = self.policy_version, version
+        self._gather(None)  # every rank waits for rank 0's publication
         self._last_published_step = self.step
 
     # ------------------------------------------------------------------ cleanup
