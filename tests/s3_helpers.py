@@ -41,6 +41,7 @@ class S3Store:
         region: the region clients sign requests for.
         process: the ``weed server`` process (leader of its own process group).
         log: its combined stdout/stderr file.
+        grpc_ports: its gRPC ports (weed also listens on ``/tmp/seaweedfs-<service>-grpc-<port>.sock``).
     """
 
     endpoint: str
@@ -50,6 +51,7 @@ class S3Store:
     region: str = "us-east-1"
     process: subprocess.Popen | None = field(default=None, repr=False)
     log: Path | None = None
+    grpc_ports: tuple[int, ...] = ()
 
     def env(self) -> dict[str, str]:
         """The standard AWS variables a client (pyarrow, delta-rs, polars, DuckDB) uses to reach this store."""
@@ -91,13 +93,14 @@ def start_seaweedfs(workdir: Path, *, bucket: str = "trajpipe") -> S3Store:
             "-master.telemetry=false", "-master.volumeSizeLimitMB=64", "-volume.max=16",
             "-filer", "-s3", f"-s3.config={config}", "-s3.port.iceberg=0", "-s3.port.lance=0",
             f"-filer.localSocket={workdir / 'filer.sock'}", f"-s3.localSocket={workdir / 's3.sock'}"]
+    grpc_ports = {name: free_port() for name in ports}
     for name, port in ports.items():
-        args += [f"-{name}.port={port}", f"-{name}.port.grpc={free_port()}"]
+        args += [f"-{name}.port={port}", f"-{name}.port.grpc={grpc_ports[name]}"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     store = S3Store(endpoint=f"http://127.0.0.1:{ports['s3']}", bucket=bucket, access_key=access_key,
-                    secret_key=secret_key, process=proc, log=log)
+                    secret_key=secret_key, process=proc, log=log, grpc_ports=tuple(grpc_ports.values()))
     fs = pafs.S3FileSystem(access_key=access_key, secret_key=secret_key, region=store.region,
                            endpoint_override=store.endpoint, allow_bucket_creation=True,
                            connect_timeout=2, request_timeout=5)
@@ -119,15 +122,20 @@ def start_seaweedfs(workdir: Path, *, bucket: str = "trajpipe") -> S3Store:
 
 
 def stop_seaweedfs(store: S3Store, *, timeout_s: float = 5.0) -> None:
-    """Stop the server and every process of its group (SIGTERM, then SIGKILL after ``timeout_s``)."""
+    """Stop the server and every process of its group (SIGTERM, then SIGKILL after ``timeout_s``).
+
+    Also removes the Unix sockets weed makes under /tmp for its gRPC ports (not cleaned up on SIGKILL).
+    """
     proc = store.process
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=timeout_s)
-    except ProcessLookupError:
-        pass
+    if proc is not None and proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=timeout_s)
+        except ProcessLookupError:
+            pass
+    for port in store.grpc_ports:
+        for sock in Path("/tmp").glob(f"seaweedfs-*-grpc-{port}.sock"):
+            sock.unlink(missing_ok=True)
