@@ -452,7 +452,7 @@ def synth(
 
 @app.command("archive")
 def archive(
-    out: Annotated[Path, typer.Option(help="archive directory", parser=_local_location)],
+    out: Annotated[Path, typer.Option(help="archive directory", parser=_local_location, metavar="PATH")],
     until_end: Annotated[bool, typer.Option("--until-end", help="stop at the end offsets seen at start")] = False,
     bootstrap: BootstrapOpt = None,
     commit_every: Annotated[int, typer.Option(help="messages per commit")] = 50_000,
@@ -514,11 +514,11 @@ def archive(
 @app.command("train")
 def train(
     data: Annotated[Optional[Path], typer.Option(help="dataset root (holds _manifests/ and steps/)",
-                                                 parser=_local_location)] = None,
+                                                 parser=_local_location, metavar="PATH")] = None,
     recipe: Annotated[Optional[str], typer.Option(help="dataset version <name>-<hash8> (needed when --data holds several)")] = None,
     model: Annotated[Optional[Path], typer.Option(help="base model: a local HF directory")] = None,
     out: Annotated[Optional[Path], typer.Option(help="run directory: metrics.jsonl, checkpoints/, policies/",
-                                                parser=_local_location)] = None,
+                                                parser=_local_location, metavar="PATH")] = None,
     objective: Annotated[Optional[str], typer.Option(help="bc | awr | ppo | grpo")] = None,
     mode: Annotated[Optional[str], typer.Option(help="offline (epochs) | online (tail + staleness cap + publish)")] = None,
     max_steps: Annotated[Optional[int], typer.Option("--max-steps", help="optimizer steps")] = None,
@@ -589,7 +589,7 @@ def train(
 
 @model_app.command("init-tiny")
 def model_init_tiny(
-    out: Annotated[Path, typer.Option(help="directory to write the model and tokenizer to", parser=_local_location)],
+    out: Annotated[Path, typer.Option(help="directory to write the model and tokenizer to", parser=_local_location, metavar="PATH")],
     seed: Annotated[int, typer.Option(help="weight seed (same seed, same files)")] = 0,
     vocab_size: Annotated[int, typer.Option("--vocab-size", help="BPE vocabulary size")] = 2048,
     hidden_size: Annotated[int, typer.Option("--hidden-size")] = 128,
@@ -836,7 +836,7 @@ def eval_(
 
 @audit_app.command("logprobs")
 def audit_logprobs(
-    data: Annotated[Path, typer.Option(help="dataset root (holds _manifests/ and steps/)", parser=_local_location)],
+    data: Annotated[Path, typer.Option(help="dataset root (holds _manifests/ and steps/)", parser=_local_location, metavar="PATH")],
     model: Annotated[Path, typer.Option(help="the weights that acted: a base model or a published policy dir")],
     recipe: Annotated[Optional[str], typer.Option(help="dataset version <name>-<hash8> (when --data holds several)")] = None,
     policy_version: Annotated[Optional[int], typer.Option(
@@ -877,9 +877,9 @@ def feedback(
     source: Annotated[str, typer.Option(help="who gives it (annotator, reviewer, reward model)")] = "cli",
     comment: Annotated[str, typer.Option(help="free text")] = "",
     data: Annotated[Optional[Path], typer.Option(help="dataset root to look the episode up in",
-                                                 parser=_local_location)] = None,
+                                                 parser=_local_location, metavar="PATH")] = None,
     archive: Annotated[Optional[Path], typer.Option(help="event archive to look the episode up in",
-                                                    parser=_local_location)] = None,
+                                                    parser=_local_location, metavar="PATH")] = None,
     domain: Annotated[Optional[str], typer.Option(help="the episode's domain (instead of a look-up)")] = None,
     task_id: Annotated[Optional[str], typer.Option("--task-id", help="its task (with --domain)")] = None,
     policy_version: Annotated[int, typer.Option("--policy-version", help="its policy version (with --domain)")] = 0,
@@ -923,18 +923,18 @@ def feedback(
 
 
 DataOpt = Annotated[Optional[Path], typer.Option("--data", help="dataset root (trajpipe pipeline run --out)",
-                                                 parser=_local_location)]
+                                                 parser=_local_location, metavar="PATH")]
 ArchiveOpt = Annotated[Optional[Path], typer.Option("--archive", help="event archive (trajpipe archive --out)",
-                                                    parser=_local_location)]
+                                                    parser=_local_location, metavar="PATH")]
 RunsOpt = Annotated[Optional[list[Path]], typer.Option("--runs", help="training run dir(s) (or their parent): "
                                                        "policies/v*/policy.json become the `policies` view",
-                                                       parser=_local_location)]
+                                                       parser=_local_location, metavar="PATH")]
 VersionOpt = Annotated[Optional[str], typer.Option("--version", help="dataset version <recipe>-<hash8> (or recipe "
                                                    "name), `all` for every one; default: the newest committed")]
 AsOfOpt = Annotated[Optional[int], typer.Option("--as-of", help="the version as of this commit (default: newest)")]
 FormatOpt = Annotated[str, typer.Option("--format", help="table, csv, json or parquet")]
 OutOpt = Annotated[Optional[Path], typer.Option("--out", help="write to this file instead of stdout",
-                                                parser=_local_location)]
+                                                parser=_local_location, metavar="PATH")]
 
 
 @app.command("query")
@@ -955,7 +955,7 @@ def query(
 @app.command("catalog")
 def catalog(
     db: Annotated[Path, typer.Option("--db", help="DuckDB database file to write (replaced atomically)",
-                                     parser=_local_location)],
+                                     parser=_local_location, metavar="PATH")],
     data: DataOpt = None, archive: ArchiveOpt = None, runs: RunsOpt = None, version: VersionOpt = None,
     as_of: AsOfOpt = None,
 ) -> None:
