@@ -1,6 +1,6 @@
 # trajpipe — two commands on a fresh machine: `make test` and `make demo`.
 # Each does all set-up first (`make install`): venv, pinned Python packages,
-# Kafka jars (Maven Central), Prism (Go module proxy).
+# Kafka jars (Maven Central), Prism and SeaweedFS (Go module proxy).
 
 SHELL := /bin/bash
 PY_SYS ?= python3
@@ -15,12 +15,17 @@ STAMP := $(VENV)/.installed
 
 PRISM := $(CACHE)/bin/prism
 FLINK_JS := $(CACHE)/jars/flink-job-server/.done
+WEED := $(CACHE)/bin/weed
 
-install: system-packages $(STAMP) $(KAFKA_JARS)/.done $(PRISM) $(FLINK_JS)
+install: system-packages $(STAMP) $(KAFKA_JARS)/.done $(PRISM) $(FLINK_JS) $(WEED)
 
 # Beam's portable local runner (streaming), from the Go module proxy.
 $(PRISM): pipelines/runtime/install_prism.sh
 	pipelines/runtime/install_prism.sh
+
+# SeaweedFS, the S3-compatible object store the storage tests run against (tests/s3_helpers.py), from the Go module proxy.
+$(WEED): pipelines/runtime/install_seaweedfs.sh
+	pipelines/runtime/install_seaweedfs.sh
 
 # Beam's Flink job server (Flink in local mode), assembled from Maven Central.
 $(FLINK_JS): pipelines/runtime/flink-job-server/pom.xml pipelines/runtime/install_flink_jobserver.sh

@@ -122,6 +122,7 @@ from pipelines.sinks import WriteDatasets
 from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE, RawRecords
 from pipelines.verify import VerifySteps
 from schemas.events import Event
+from schemas.storage import StorageError, local_path
 from streams.config import KafkaConnection, Topics
 from streams.errors import KafkaUnavailable, check_kafka, kafka_access_errors
 from streams.consumer import StreamTimeoutError
@@ -214,6 +215,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _check(args: argparse.Namespace) -> None:
+    for flag in ("out", "archive"):  # first, before any Kafka read or manifest: the sinks write local files only
+        if getattr(args, flag):
+            try:
+                setattr(args, flag, str(local_path(getattr(args, flag), flag=f"--{flag}")))
+            except StorageError as err:
+                raise JobError(f"{err} (see `trajpipe pipeline run --help`)") from err
     if args.mode == "stream":
         runner = args.runner or "PrismRunner"
         if runner in ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner"):

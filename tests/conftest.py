@@ -2,7 +2,7 @@
 
 Brokers are real (never mocked): one Kafka and one Tansu broker per test session,
 each on a free port in its own temporary data dir, started on first use and stopped
-at the end of the session.
+at the end of the session. So is the object store: one SeaweedFS S3 gateway (``s3_store``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pytest
 from streams.broker import BrokerInfo, start_broker, stop_broker
 from streams.config import KafkaConnection
 from tests.helpers import free_port
+from tests.s3_helpers import S3Store, start_seaweedfs, stop_seaweedfs
 
 
 def _session_broker(tmp_path_factory: pytest.TempPathFactory, engine: str) -> Iterator[BrokerInfo]:
@@ -106,6 +107,19 @@ def kafka_auth_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Auth
         yield AuthBroker(info=info, password_files=files)
     finally:
         stop_broker(data_dir)
+
+
+@pytest.fixture(scope="session")
+def s3_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Store]:
+    """A real S3-compatible store (SeaweedFS, tests/s3_helpers.py) with one bucket, shared by the session.
+
+    ``s3_store.env()`` holds the AWS_* variables clients use; the server is stopped at the end.
+    """
+    store = start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"))
+    try:
+        yield store
+    finally:
+        stop_seaweedfs(store)
 
 
 @pytest.fixture

@@ -58,6 +58,7 @@ USER_ERRORS: frozenset[tuple[str, str]] = frozenset({
     ("rollout.evaluate", "EvalError"),
     ("trajpipe.cli", "CommandLineError"),  # and ModelDirError
     ("trajpipe.analytics", "AnalyticsError"),  # query, catalog, report
+    ("schemas.storage", "StorageError"),  # a location that cannot be used (e.g. s3:// where only local paths work)
 })
 #: Built-in exceptions that, escaping a command, come from a path given on the command line.
 _PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError, PermissionError)
@@ -190,6 +191,20 @@ def _check_dir(flag: str, path: Path | None, *, must_exist: bool = False) -> Non
         _fail(f"`{flag}` {path} is a file, not a directory; give a directory")
     if must_exist and not path.exists():
         _fail(f"`{flag}` {path} does not exist; give an existing directory")
+
+
+def _local_location(value: str | Path) -> Path:
+    """Parser of the flags that name a dataset, archive or output location: a local path or file:// URI.
+
+    Any other scheme is refused at parse time, before any work: pathlib would turn ``gs://b/x`` into
+    the local directory ``gs:/b/x`` (issue 14: silent loss on a remote worker).
+    """
+    from schemas.storage import StorageError, local_path
+
+    try:
+        return local_path(value, flag=None)
+    except StorageError as err:  # click names the flag: "Invalid value for '--out': ..."
+        raise typer.BadParameter(str(err)) from err
 
 
 def _check_at_least(flag: str, value: float | None, low: float) -> None:
@@ -438,7 +453,7 @@ def synth(
 
 @app.command("archive")
 def archive(
-    out: Annotated[Path, typer.Option(help="archive directory")],
+    out: Annotated[Path, typer.Option(help="archive directory", parser=_local_location, metavar="PATH")],
     until_end: Annotated[bool, typer.Option("--until-end", help="stop at the end offsets seen at start")] = False,
     bootstrap: BootstrapOpt = None,
     commit_every: Annotated[int, typer.Option(help="messages per commit")] = 50_000,
@@ -499,10 +514,12 @@ def archive(
 
 @app.command("train")
 def train(
-    data: Annotated[Optional[Path], typer.Option(help="dataset root (holds _manifests/ and steps/)")] = None,
+    data: Annotated[Optional[Path], typer.Option(help="dataset root (holds _manifests/ and steps/)",
+                                                 parser=_local_location, metavar="PATH")] = None,
     recipe: Annotated[Optional[str], typer.Option(help="dataset version <name>-<hash8> (needed when --data holds several)")] = None,
     model: Annotated[Optional[Path], typer.Option(help="base model: a local HF directory")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="run directory: metrics.jsonl, checkpoints/, policies/")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="run directory: metrics.jsonl, checkpoints/, policies/",
+                                                parser=_local_location, metavar="PATH")] = None,
     objective: Annotated[Optional[str], typer.Option(help="bc | awr | ppo | grpo")] = None,
     mode: Annotated[Optional[str], typer.Option(help="offline (epochs) | online (tail + staleness cap + publish)")] = None,
     max_steps: Annotated[Optional[int], typer.Option("--max-steps", help="optimizer steps")] = None,
@@ -530,6 +547,10 @@ def train(
     except TrainConfigError as err:
         _fail(str(err))
     # Checked here, before DeepSpeed and the process group start, so a wrong path is one line, not a rank traceback.
+    from schemas.storage import local_path
+
+    local_path(cfg.data.dir, flag="--data (data.dir)")  # the recipe YAML may name a remote location too
+    local_path(cfg.out, flag="--out (out)")
     _check_model_dir(Path(cfg.model))
     _check_dir("--data", Path(cfg.data.dir), must_exist=True)
     _check_dir("--out", Path(cfg.out))
@@ -569,7 +590,7 @@ def train(
 
 @model_app.command("init-tiny")
 def model_init_tiny(
-    out: Annotated[Path, typer.Option(help="directory to write the model and tokenizer to")],
+    out: Annotated[Path, typer.Option(help="directory to write the model and tokenizer to", parser=_local_location, metavar="PATH")],
     seed: Annotated[int, typer.Option(help="weight seed (same seed, same files)")] = 0,
     vocab_size: Annotated[int, typer.Option("--vocab-size", help="BPE vocabulary size")] = 2048,
     hidden_size: Annotated[int, typer.Option("--hidden-size")] = 128,
@@ -810,7 +831,7 @@ def eval_(
 
 @audit_app.command("logprobs")
 def audit_logprobs(
-    data: Annotated[Path, typer.Option(help="dataset root (holds _manifests/ and steps/)")],
+    data: Annotated[Path, typer.Option(help="dataset root (holds _manifests/ and steps/)", parser=_local_location, metavar="PATH")],
     model: Annotated[Path, typer.Option(help="the weights that acted: a base model or a published policy dir")],
     recipe: Annotated[Optional[str], typer.Option(help="dataset version <name>-<hash8> (when --data holds several)")] = None,
     policy_version: Annotated[Optional[int], typer.Option(
@@ -850,8 +871,10 @@ def feedback(
     correction: Annotated[Optional[str], typer.Option(help="the action the policy should have taken at --step")] = None,
     source: Annotated[str, typer.Option(help="who gives it (annotator, reviewer, reward model)")] = "cli",
     comment: Annotated[str, typer.Option(help="free text")] = "",
-    data: Annotated[Optional[Path], typer.Option(help="dataset root to look the episode up in")] = None,
-    archive: Annotated[Optional[Path], typer.Option(help="event archive to look the episode up in")] = None,
+    data: Annotated[Optional[Path], typer.Option(help="dataset root to look the episode up in",
+                                                 parser=_local_location, metavar="PATH")] = None,
+    archive: Annotated[Optional[Path], typer.Option(help="event archive to look the episode up in",
+                                                    parser=_local_location, metavar="PATH")] = None,
     domain: Annotated[Optional[str], typer.Option(help="the episode's domain (instead of a look-up)")] = None,
     task_id: Annotated[Optional[str], typer.Option("--task-id", help="its task (with --domain)")] = None,
     policy_version: Annotated[int, typer.Option("--policy-version", help="its policy version (with --domain)")] = 0,
@@ -894,15 +917,19 @@ def feedback(
                    "domain": ref.domain, "policy_version": ref.policy_version})
 
 
-DataOpt = Annotated[Optional[Path], typer.Option("--data", help="dataset root (trajpipe pipeline run --out)")]
-ArchiveOpt = Annotated[Optional[Path], typer.Option("--archive", help="event archive (trajpipe archive --out)")]
+DataOpt = Annotated[Optional[Path], typer.Option("--data", help="dataset root (trajpipe pipeline run --out)",
+                                                 parser=_local_location, metavar="PATH")]
+ArchiveOpt = Annotated[Optional[Path], typer.Option("--archive", help="event archive (trajpipe archive --out)",
+                                                    parser=_local_location, metavar="PATH")]
 RunsOpt = Annotated[Optional[list[Path]], typer.Option("--runs", help="training run dir(s) (or their parent): "
-                                                       "policies/v*/policy.json become the `policies` view")]
+                                                       "policies/v*/policy.json become the `policies` view",
+                                                       parser=_local_location, metavar="PATH")]
 VersionOpt = Annotated[Optional[str], typer.Option("--version", help="dataset version <recipe>-<hash8> (or recipe "
                                                    "name), `all` for every one; default: the newest committed")]
 AsOfOpt = Annotated[Optional[int], typer.Option("--as-of", help="the version as of this commit (default: newest)")]
 FormatOpt = Annotated[str, typer.Option("--format", help="table, csv, json or parquet")]
-OutOpt = Annotated[Optional[Path], typer.Option("--out", help="write to this file instead of stdout")]
+OutOpt = Annotated[Optional[Path], typer.Option("--out", help="write to this file instead of stdout",
+                                                parser=_local_location, metavar="PATH")]
 
 
 @app.command("query")
@@ -922,7 +949,8 @@ def query(
 
 @app.command("catalog")
 def catalog(
-    db: Annotated[Path, typer.Option("--db", help="DuckDB database file to write (replaced atomically)")],
+    db: Annotated[Path, typer.Option("--db", help="DuckDB database file to write (replaced atomically)",
+                                     parser=_local_location, metavar="PATH")],
     data: DataOpt = None, archive: ArchiveOpt = None, runs: RunsOpt = None, version: VersionOpt = None,
     as_of: AsOfOpt = None,
 ) -> None:
@@ -985,6 +1013,9 @@ def loop(
     if not config.is_file():
         _fail(f"`--config` {config} is not a file; give a loop YAML (see trajpipe/configs/loop.yaml)")
     cfg = load_loop_config(config)
+    from schemas.storage import local_path
+
+    local_path(cfg.run_dir, flag=f"run_dir (in --config {config})")
     summary = run_loop(cfg, resume=resume, echo=lambda line: print(line, file=sys.stderr, flush=True))
     _print_counts(summary)
     if summary.get("error"):
