@@ -61,7 +61,7 @@ $(KAFKA_JARS)/.done: streams/kafka/pom.xml
 	touch $@
 
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
 
 # Issue-acceptance runs (tests marked `acceptance`: minutes each, not in `make test` until they pass reliably).
 test-acceptance: install
