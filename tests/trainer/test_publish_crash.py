@@ -47,6 +47,11 @@ plan = json.loads(sys.argv[1])
 
 def run_child(crash_at, crash_step, out):
     announced = Path(out) / "announced.jsonl"
+    # A fresh rendezvous port per run: the previous run was SIGKILLed, and its port may be in TIME_WAIT.
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
 
     def die(point, step):
         if point == crash_at and step == crash_step:
@@ -137,7 +142,9 @@ def test_sigkill_at_each_point_of_publish_and_checkpoint_never_forks_the_lineage
                                                                        [str(reference), None, None]]
     plan = {"model": str(tiny_model), "data": str(data), "max_steps": MAX_STEPS, "over": OVER, "runs": runs}
     proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(plan)], cwd=REPO, capture_output=True,
-                          text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          text=True, timeout=900,
+                          env={k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
+                          | {"PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-4000:]
     print("\n".join(line for line in proc.stderr.splitlines() if line.startswith("run ")))  # each run's wall time
     # every injected kill happened, and the final run and the uninterrupted reference ended normally
