@@ -62,6 +62,15 @@ def test_bad_config_is_one_error_line(tmp_path: Path, change: dict, expected: st
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "trajpipe/configs").glob("loop*.yaml")))
+def test_shipped_loop_configs_are_valid(name: str) -> None:
+    from trajpipe.loop import load_loop_config
+
+    cfg = load_loop_config(REPO / "trajpipe/configs" / name)
+    assert (REPO / "trajpipe/configs" / name).read_text().startswith("# trajpipe loop --config")
+    assert cfg.budget.seconds or cfg.budget.policy_versions
+
+
 def test_missing_config_model_and_resume_of_nothing(tmp_path: Path) -> None:
     proc = _trajpipe("loop", "--config", str(tmp_path / "nope.yaml"), cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.startswith("error: `--config`"), proc.stderr
