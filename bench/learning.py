@@ -11,7 +11,9 @@ Everything goes through the product's own commands and data, as a user would run
    rollout worker with the ``hf`` policy at temperature 0 (greedy) on a fixed set of held-out
    tasks per (domain, level) -- the held-out pool of ``trajpipe eval`` (:func:`rollout.heldout.heldout_tasks`,
    disjoint by content from every demonstration and training task) -- whose episodes go through Kafka to their own topic (never into a training dataset).
-3. **Online GRPO** from v1, each iteration the real commands: the current policy's rollouts in
+3. **Online GRPO** from v1: one ``trajpipe loop`` run for the budget (``engine="loop"``, the default: the
+   product's asynchronous loop, ``trajpipe/configs/loop-learning.yaml``), its published versions evaluated
+   afterwards; or (``engine="commands"``) each iteration the real commands: the current policy's rollouts in
    groups (``hf``, sampled, training seed ``TRAIN_SEED + i``, levels 0-1) → Kafka →
    ``trajpipe pipeline run --source kafka`` (the new micro-batch; complete-group advantages) →
    ``trajpipe train --config trainer/configs/grpo-loop.yaml --model <current>`` (GRPO,
@@ -23,10 +25,13 @@ Figures (into ``bench/results/latest.json``):
 
 * ``bc_heldout_pass_rate``: v1's pass rate on the held-out level-0 tasks of the domains (goal >= 0.5);
   ``bc_base_heldout_pass_rate`` the base model's on the same tasks.
-* ``loop_pass_rate_gain``: best held-out pass rate (level 0-1 mix) of a version published within the
-  budget minus v1's, in points of pass rate (0.10 = 10 points; goal >= 0.10 in 15 minutes).
-  ``loop_pass_rate_gain_last`` is the last version's gain (no choice of version).
-* ``learning_v<N>_pass_rate`` (and ``learning_v<N>_<domain>``): the curve, level 0-1 mix.
+* ``loop_pass_rate_gain``: best held-out pass rate (level 0-1 mix; sampled pass@1 at the training
+  temperature, ``eval_sampled_tasks`` per cell, the same seed for every version) of a version published
+  within the budget minus v1's, in points of pass rate (0.10 = 10 points; goal >= 0.10 in 15 minutes).
+  ``loop_pass_rate_gain_last`` is the last version's gain (no choice of version);
+  ``loop_greedy_pass_rate_gain`` (``_last``) the same on greedy decoding.
+* ``learning_v<N>_pass_rate`` (sampled), ``learning_v<N>_greedy_pass_rate`` and ``learning_v<N>_<domain>``
+  (sampled): the curve, level 0-1 mix.
   The whole curve (per version, domain and level, with the wall-clock time of each version) is
   also written to ``bench/results/learning_curve.json``.
 
