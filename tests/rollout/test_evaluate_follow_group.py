@@ -95,12 +95,17 @@ def _evaluations(bootstrap: str, topics: Topics, out: Path) -> list[tuple]:
                        "from evaluations group by all order by 1, 4").fetchall()
 
 
-def test_a_follower_of_a_group_evaluates_the_versions_published_while_none_ran(kafka_broker, topic_name,
-                                                                                 tiny_model, tmp_path):
-    conn = KafkaConnection(bootstrap_servers=kafka_broker.bootstrap, client_id="test-eval-group")
+def _ensure(kafka_broker, topic_name: str, *, client_id: str) -> tuple[KafkaConnection, Topics]:
+    conn = KafkaConnection(bootstrap_servers=kafka_broker.bootstrap, client_id=client_id)
     topics = Topics(events=topic_name, control=f"{topic_name}.control", dead_letters=f"{topic_name}.dl",
                     partitions=2)
     ensure_topics(conn, topics)
+    return conn, topics
+
+
+def test_a_follower_of_a_group_evaluates_the_versions_published_while_none_ran(kafka_broker, topic_name,
+                                                                                 tiny_model, tmp_path):
+    conn, topics = _ensure(kafka_broker, topic_name, client_id="test-eval-group")
     spool = tmp_path / "spool"
 
     # Published before any evaluator ran: v1, v2 of the run (and another run's v1..v3 on the same topic).
@@ -132,10 +137,7 @@ def test_a_follower_of_a_group_evaluates_the_versions_published_while_none_ran(k
 
 def test_a_follower_stopped_between_flush_and_commit_does_not_evaluate_the_version_again(kafka_broker, topic_name,
                                                                                        tiny_model, tmp_path):
-    conn = KafkaConnection(bootstrap_servers=kafka_broker.bootstrap, client_id="test-eval-once")
-    topics = Topics(events=topic_name, control=f"{topic_name}.control", dead_letters=f"{topic_name}.dl",
-                    partitions=2)
-    ensure_topics(conn, topics)
+    conn, topics = _ensure(kafka_broker, topic_name, client_id="test-eval-once")
     spool = tmp_path / "spool"
     _publish(conn, topics, spool, (1, "run", tiny_model), (2, "run", tiny_model))
 

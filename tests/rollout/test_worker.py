@@ -184,6 +184,33 @@ class _InPlaceScripted(ScriptedPolicy):
         return self
 
 
+def _sigterm_once(proc: subprocess.Popen, ready, *, poll_s: float, settle_s: float = 0.0,
+                  timeout_s: float = 120) -> tuple[dict, str]:
+    """SIGTERM ``proc`` once ``ready()`` (the topic may not exist yet: then it is not), ``settle_s`` later.
+
+    Returns:
+        The last stdout line (the command's counts) and its stderr; the exit status must be 0.
+    """
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            try:
+                if ready():
+                    break
+            except (UnknownTopicError, StreamTimeoutError):
+                pass
+            time.sleep(poll_s)
+        time.sleep(settle_s)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
 def _topics_with_control(kafka_broker, topic_name: str) -> tuple[KafkaConnection, Topics]:
     """A connection to the test broker and the topics of one test, control topic included (created)."""
     conn = KafkaConnection(bootstrap_servers=kafka_broker.bootstrap, request_timeout_ms=10_000)
@@ -274,23 +301,10 @@ def test_sigterm_flushes_and_aborts_unfinished(kafka_broker, topic_name, tmp_pat
                      "--domains", "code,tools,math", "--concurrency", "8", "--max-steps", "30", "--noise", "0.3"),
         cwd=REPO, env=_env(topic_name), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # wait for the first acked events: handlers are installed by then
-            try:
-                if sum(end_offsets(conn, topic_name, timeout_s=5).values()) > 100:
-                    break
-            except (UnknownTopicError, StreamTimeoutError):  # the topic may not exist yet
-                pass
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            time.sleep(0.3)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err[-3000:]
-    counts = json.loads(out.strip().splitlines()[-1])
+    def acked_events() -> bool:  # the first acked events: the signal handlers are installed by then
+        return sum(end_offsets(conn, topic_name, timeout_s=5).values()) > 100
+
+    counts, err = _sigterm_once(proc, acked_events, poll_s=0.3)
     assert "stopped by signal" in err
     events = read_events(conn, topic_name)
     assert len(events) == counts["events"]  # nothing lost, nothing invented
@@ -405,24 +419,10 @@ def test_rollout_cli_last_line_has_the_staleness_control_counts(kafka_broker, to
                      "--max-ahead", "0"),
         cwd=REPO, env=_env(topic_name), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    try:
-        deadline = time.monotonic() + 120
-        finished = 0
-        while finished < 2 and time.monotonic() < deadline:  # the budget of 2 episodes is used: held from now
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            time.sleep(0.5)
-            try:
-                finished = sum(isinstance(e, EpisodeFinished) for e in read_events(conn, topic_name))
-            except (UnknownTopicError, StreamTimeoutError):  # the topic may not exist yet
-                pass
-        time.sleep(2.0)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err[-3000:]
-    counts = json.loads(out.strip().splitlines()[-1])
+    def budget_used() -> bool:  # the budget of 2 episodes is used: held from now
+        return sum(isinstance(e, EpisodeFinished) for e in read_events(conn, topic_name)) >= 2
+
+    counts, err = _sigterm_once(proc, budget_used, poll_s=0.5, settle_s=2.0)
     assert list(counts) == ["episodes", "events", "passed", "aborted", "errors", "groups", "episodes_per_s",
                             "domains", "throttled_s", "throttle_releases"]
     assert counts["episodes"] == 2 and counts["throttle_releases"] == 0
