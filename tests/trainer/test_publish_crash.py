@@ -47,11 +47,6 @@ plan = json.loads(sys.argv[1])
 
 def run_child(crash_at, crash_step, out):
     announced = Path(out) / "announced.jsonl"
-    # A fresh rendezvous port per run: the previous run was SIGKILLed, and its port may be in TIME_WAIT.
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
 
     def die(point, step):
         if point == crash_at and step == crash_step:
@@ -107,6 +102,11 @@ for out, crash_at, crash_step in plan["runs"]:
 print(json.dumps(results))
 """
 
+#: What in-process trainer tests leave in this process's environment (trainer/engine.py sets them for a lone
+#: process). Inherited, each forked run would join through that MASTER_PORT, which a SIGKILLed run leaves in
+#: TIME_WAIT (EADDRINUSE); without them every run rendezvous through its own file store.
+_PROCESS_GROUP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
 #: publish every 2 steps; one kill per point of the sequence, each at a later version of the same run.
 CRASHES = [("after_checkpoint", 2), ("after_store_write", 4), ("after_announce", 6), ("before_checkpoint", 8)]
 MAX_STEPS = 8
@@ -143,7 +143,7 @@ def test_sigkill_at_each_point_of_publish_and_checkpoint_never_forks_the_lineage
     plan = {"model": str(tiny_model), "data": str(data), "max_steps": MAX_STEPS, "over": OVER, "runs": runs}
     proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(plan)], cwd=REPO, capture_output=True,
                           text=True, timeout=900,
-                          env={k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
+                          env={k: v for k, v in os.environ.items() if k not in _PROCESS_GROUP_ENV}
                           | {"PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-4000:]
     print("\n".join(line for line in proc.stderr.splitlines() if line.startswith("run ")))  # each run's wall time
