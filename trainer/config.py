@@ -83,6 +83,8 @@ class ObjectiveConfig(_Strict):
     clip_eps: float = Field(0.2, gt=0, description="ppo/grpo: clip range below 1")
     clip_eps_high: float | None = Field(None, description="ppo/grpo: clip range above 1 (default clip_eps)")
     kl_coef: float | None = Field(None, ge=0, description="ppo/grpo: k3 KL-to-base coefficient (grpo default 0.04)")
+    negative_weight: float = Field(1.0, ge=0, le=1, description="ppo/grpo: factor on negative advantages "
+                                   "(1: the plain objective; 0: positive samples only)")
     max_staleness: int | None = Field(None, ge=0, description="versions behind (same lineage) before capping, "
                                       "any objective, offline too; None: no cap")
     staleness_mode: Literal["drop", "decay"] = Field("drop", description="drop stale tokens or decay their weight")
@@ -101,7 +103,7 @@ class ObjectiveConfig(_Strict):
         elif self.name == "awr":
             opts.update(beta=self.beta, max_weight=self.max_weight)
         else:
-            opts.update(clip_eps=self.clip_eps, clip_eps_high=self.clip_eps_high)
+            opts.update(clip_eps=self.clip_eps, clip_eps_high=self.clip_eps_high, negative_weight=self.negative_weight)
             if self.kl_coef is not None:
                 opts["kl_coef"] = self.kl_coef
         return opts

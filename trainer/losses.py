@@ -334,6 +334,29 @@ def _own_weights(batch, mask: torch.Tensor, aggregation: Aggregation, norm_token
 # ----------------------------------------------------------------------------- per-token terms
 
 
+def weigh_negatives(advantages: torch.Tensor, negative_weight: float) -> torch.Tensor:
+    """Advantages with the negative ones scaled: ``A' = A`` if ``A >= 0`` else ``lambda_neg * A``.
+
+    The weighted policy gradient of Zhu et al., "The Surprising Effectiveness of
+    Negative Reinforcement in LLM Reasoning" (arXiv:2506.01347, sec. 4,
+    W-REINFORCE): the objective splits into positive-sample reinforcement
+    (PSR, ``A > 0``) and negative-sample reinforcement (NSR, ``A < 0``), and
+    ``L = lambda_pos * L_PSR + lambda_neg * L_NSR``. They find PSR raises
+    pass@1 (it sharpens the policy towards its successes) while NSR keeps the
+    policy's entropy (it spreads the mass of a penalised token over the
+    others). Here ``lambda_pos = 1`` and ``negative_weight = lambda_neg``:
+    1 is the plain objective, 0 trains on successes only (RAFT-like
+    rejection-sampling fine-tuning with GRPO's group baseline deciding what
+    counts as a success; Xiong et al. arXiv:2504.11343).
+
+    >>> weigh_negatives(torch.tensor([1.5, -2.0, 0.0]), 0.25).tolist()
+    [1.5, -0.5, 0.0]
+    """
+    if negative_weight == 1.0:
+        return advantages
+    return torch.where(advantages < 0, advantages * negative_weight, advantages)
+
+
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of ``KL(pi || pi_ref)`` from samples of ``pi``.
 
@@ -623,6 +646,7 @@ class PolicyGradient(_BatchObjective):
     clip_eps: float = 0.2
     clip_eps_high: float | None = None
     kl_coef: float = 0.0
+    negative_weight: float = 1.0
 
     @property
     def needs_reference(self) -> bool:
@@ -631,7 +655,7 @@ class PolicyGradient(_BatchObjective):
     def __call__(self, logp, batch, *, mask=None, weights=None, token_weights=None, ref_logp=None) -> LossOutput:
         mask, weights = self._prepare(batch, mask, weights)
         behaviour_logp = torch.where(batch.has_behaviour_logprobs, batch.behaviour_logprobs, logp.detach())
-        return ppo_clip_loss(logp, behaviour_logp, batch.advantages, mask, weights,
+        return ppo_clip_loss(logp, behaviour_logp, weigh_negatives(batch.advantages, self.negative_weight), mask, weights,
                              clip_eps=self.clip_eps, clip_eps_high=self.clip_eps_high, ref_logp=ref_logp,
                              kl_coef=self.kl_coef, token_weights=token_weights)
 

@@ -356,3 +356,21 @@ def test_build_objective_rejects_unknown():
         build_objective("bc", beta=1.0)
     with pytest.raises(ValueError, match="aggregation"):
         build_objective("ppo", aggregation="mean")
+
+
+def test_negative_weight_scales_only_negative_advantages():
+    # W-REINFORCE split (Zhu et al. 2025, sec. 4) with lambda_pos = 1, lambda_neg = 0.25, on-policy (ratio 1):
+    # A = [2, -1, -3] -> A' = [2, -0.25, -0.75]; token mean of -A' r = (-2 + 0.25 + 0.75) / 3 = -1/3
+    # d loss / d logp_t = -A'_t r_t / 3 = [-2/3, 0.25/3, 0.75/3]
+    logp = torch.zeros(1, 3, requires_grad=True)
+    objective = build_objective("grpo", aggregation="token", kl_coef=0.0, negative_weight=0.25)
+    batch = SimpleNamespace(advantages=torch.tensor([[2.0, -1.0, -3.0]]), has_behaviour_logprobs=ALL,
+                            behaviour_logprobs=torch.zeros(1, 3), loss_mask=ALL,
+                            episode_index=torch.zeros(1, 3, dtype=torch.long))
+    out = objective(logp, batch, mask=ALL, weights=MEAN3)
+    assert out.loss.item() == pytest.approx(-1 / 3)
+    out.loss.backward()
+    assert logp.grad.tolist()[0] == pytest.approx([-2 / 3, 0.25 / 3, 0.75 / 3])
+    # 0: successes only (only the positive advantage's token gets a gradient); 1: the plain objective
+    assert losses.weigh_negatives(torch.tensor([2.0, -1.0]), 0.0).tolist() == [2.0, 0.0]
+    assert losses.weigh_negatives(torch.tensor([2.0, -1.0]), 1.0).tolist() == [2.0, -1.0]
