@@ -502,6 +502,9 @@ def cluster_command(action: str, *, dir: str | Path, task_managers: int = 2, slo
         return stop_cluster(dir)
     if action == "status":
         cluster = load_cluster(dir)
+        if not any(cluster.alive().values()):
+            raise FlinkClusterError(f"the Flink cluster in {cluster.dir} is not running; start it with "
+                                    f"`trajpipe flink-cluster up --dir {cluster.dir}`")
         tms = cluster.rest("/taskmanagers")["taskmanagers"]
         jobs = cluster.jobs()
         return {"flink_master": cluster.rest_address, "task_managers": len(tms),
