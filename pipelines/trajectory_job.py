@@ -290,6 +290,9 @@ def _flink_job_failed(master: str, err: RuntimeError) -> JobError:
     except FlinkClusterError:
         state = "the cluster no longer answers"
     first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+    # Beam stops the job server at interpreter exit and logs that as a WARNING, which would follow this error's
+    # line on stderr; the stop itself still happens.
+    logging.getLogger("apache_beam.utils.subprocess_server").setLevel(logging.ERROR)
     return JobError(f"the job failed on the Flink cluster at {master} ({state}); nothing was committed: {first[:500]}")
 
 
