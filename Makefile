@@ -15,9 +15,10 @@ STAMP := $(VENV)/.installed
 
 PRISM := $(CACHE)/bin/prism
 FLINK_JS := $(CACHE)/jars/flink-job-server/.done
+FLINK_CLUSTER := $(CACHE)/jars/flink-cluster/.done
 WEED := $(CACHE)/bin/weed
 
-install: system-packages $(STAMP) $(KAFKA_JARS)/.done $(PRISM) $(FLINK_JS) $(WEED)
+install: system-packages $(STAMP) $(KAFKA_JARS)/.done $(PRISM) $(FLINK_JS) $(FLINK_CLUSTER) $(WEED)
 
 # Beam's portable local runner (streaming), from the Go module proxy.
 $(PRISM): pipelines/runtime/install_prism.sh
@@ -30,6 +31,10 @@ $(WEED): pipelines/runtime/install_seaweedfs.sh
 # Beam's Flink job server (Flink in local mode), assembled from Maven Central.
 $(FLINK_JS): pipelines/runtime/flink-job-server/pom.xml pipelines/runtime/install_flink_jobserver.sh
 	pipelines/runtime/install_flink_jobserver.sh
+
+# A Flink 1.19 standalone session cluster's jars (JobManager + TaskManagers; pipelines/flink_cluster.py), ~15 s.
+$(FLINK_CLUSTER): pipelines/runtime/flink-cluster/pom.xml pipelines/runtime/install_flink_cluster.sh
+	pipelines/runtime/install_flink_cluster.sh
 
 # bubblewrap isolates sandboxed commands (rollout/sandbox/, docs/security.md); chromium renders the HTML report.
 system-packages:

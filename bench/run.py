@@ -78,6 +78,12 @@ def _pipeline(ctx: BenchContext) -> dict:
     return bench_pipeline(ctx.bootstrap, ctx.workdir / "pipeline")
 
 
+def _flink_cluster(ctx: BenchContext) -> dict:
+    from bench.flink_cluster import bench_flink_cluster
+
+    return bench_flink_cluster(ctx.bootstrap, ctx.workdir / "flink_cluster")
+
+
 def _sandbox(ctx: BenchContext) -> dict:
     from rollout.bench_sandbox import measure_start
 
@@ -141,6 +147,7 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "codec": _codec,
     "producer": _producer,
     "pipeline": _pipeline,
+    "flink_cluster": _flink_cluster,
     "sandbox": _sandbox,
     "rollout": _rollout,
     "round_trip": _round_trip,

@@ -51,6 +51,7 @@ __all__ = [
     "runner_options",
     "disable_runner_splits",
     "PRISM_NO_SPLITS",
+    "flink_cluster_master",
 ]
 
 #: Runners with defaults here; any other name is passed to Beam as is.
@@ -134,7 +135,9 @@ def runner_options(runner: str, mode: str, extra: Sequence[str] = ()) -> Pipelin
     * ``PrismRunner``: ``--prism_location=<prism_location()>``, ``--environment_type=LOOPBACK``.
     * ``FlinkRunner``: ``--flink_master=[local]``, ``--flink_job_server_jar=<flink_job_server_jar()>``,
       and, when the master is ``[local]``, ``--environment_type=LOOPBACK`` (an embedded Flink that
-      runs the Python SDK in this process).
+      runs the Python SDK in this process). A cluster master (``host:port``, e.g. the session cluster of
+      :mod:`pipelines.flink_cluster`) gets no environment default: ``--environment_type`` must be given
+      (``EXTERNAL`` with ``--environment_config=HOST:PORT`` of a worker pool, ``DOCKER`` or ``PROCESS``).
     * every mode ``stream``: ``--streaming``.
 
     Args:
@@ -147,7 +150,8 @@ def runner_options(runner: str, mode: str, extra: Sequence[str] = ()) -> Pipelin
         The options, with ``runner`` set.
 
     Raises:
-        RunnerConfigError: unknown ``mode``, or a batch-only runner asked to stream.
+        RunnerConfigError: unknown ``mode``, a batch-only runner asked to stream, or a Flink cluster master
+            without an SDK environment (``--environment_type``, and ``--environment_config`` for EXTERNAL).
         RunnerNotInstalledError: Prism or the Flink job server is needed but not installed.
     """
     if mode not in MODES:
@@ -168,19 +172,61 @@ def runner_options(runner: str, mode: str, extra: Sequence[str] = ()) -> Pipelin
         if not _given(extra, "--environment_type"):
             args.append("--environment_type=LOOPBACK")
     elif runner == "FlinkRunner":
-        master = next((a.split("=", 1)[1] for a in extra if a.startswith("--flink_master=")), None)
-        if master is None and "--flink_master" in extra:
-            i = list(extra).index("--flink_master")
-            master = extra[i + 1] if i + 1 < len(extra) else None
+        master = _option(extra, "--flink_master")
         if master is None:
             args.append("--flink_master=[local]")
         if not _given(extra, "--flink_job_server_jar") and not _given(extra, "--job_endpoint"):
             args.append(f"--flink_job_server_jar={flink_job_server_jar()}")
         if master in (None, "[local]", "[auto]") and not _given(extra, "--environment_type"):
             args.append("--environment_type=LOOPBACK")
+        elif master not in (None, "[local]", "[auto]"):
+            _check_cluster_environment(extra, master)
     if mode == "stream" and not _given(extra, "--streaming"):
         args.append("--streaming")
     return PipelineOptions(args + list(extra))
+
+
+def _option(extra: Sequence[str], flag: str) -> str | None:
+    """The value of ``flag`` in ``extra`` (``--flag=v`` or ``--flag v``), or None."""
+    for i, a in enumerate(extra):
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+        if a == flag:
+            return extra[i + 1] if i + 1 < len(extra) else None
+    return None
+
+
+def _check_cluster_environment(extra: Sequence[str], master: str) -> None:
+    """A Flink cluster's TaskManagers need an SDK environment they can start: say which, up front.
+
+    Beam's default for a cluster is DOCKER, which fails only when the first task starts (and hangs where
+    no Docker daemon runs); EXTERNAL without an address has nowhere to ask for workers.
+    """
+    env = _option(extra, "--environment_type")
+    if env is None:
+        raise RunnerConfigError(
+            f"`--flink_master` {master} is a cluster: give the SDK workers' environment, "
+            "`--environment_type=EXTERNAL --environment_config=HOST:PORT` (a Beam worker pool; "
+            "`trajpipe flink-cluster up` starts one and prints its port), DOCKER or PROCESS")
+    if env.upper() == "EXTERNAL" and not _option(extra, "--environment_config"):
+        raise RunnerConfigError(
+            "`--environment_type=EXTERNAL` needs `--environment_config=HOST:PORT`, the address of a Beam worker "
+            "pool (python -m apache_beam.runners.worker.worker_pool_main --service_port=PORT)")
+
+
+def flink_cluster_master(runner: str, extra: Sequence[str]) -> str | None:
+    """The Flink cluster a job goes to: ``--flink_master`` when ``runner`` is FlinkRunner and it names a cluster.
+
+    None for every other runner and for an embedded Flink (``[local]``, ``[auto]``, not given).
+
+    Examples:
+        >>> flink_cluster_master("FlinkRunner", ["--flink_master", "flink-jm:8081"])
+        'flink-jm:8081'
+        >>> flink_cluster_master("FlinkRunner", ["--flink_master=[local]"]) is None
+        True
+    """
+    master = _option(extra, "--flink_master") if runner == "FlinkRunner" else None
+    return None if master in (None, "[local]", "[auto]", "[collection]") else master
 
 
 def disable_runner_splits(options: PipelineOptions) -> PipelineOptions:

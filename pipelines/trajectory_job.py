@@ -256,9 +256,44 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _options(args: argparse.Namespace, beam_args: list[str]) -> PipelineOptions:
-    opts = PipelineOptions(beam_args)
-    opts.view_as(StandardOptions).runner = args.runner or "FnApiRunner"
-    return opts
+    runner = args.runner or "FnApiRunner"
+    if runner == "FnApiRunner":
+        opts = PipelineOptions(beam_args)
+        opts.view_as(StandardOptions).runner = runner
+        return opts
+    from pipelines.runners import RunnerConfigError, runner_options
+
+    try:  # the runner's defaults (job server jar, Prism binary) and its option checks, as in stream mode
+        return runner_options(runner, "batch", beam_args)
+    except RunnerConfigError as err:
+        raise JobError(str(err)) from err
+
+
+def _check_flink_master(master: str) -> None:
+    """A Flink cluster that does not answer ends the run here, in seconds, not after the job server's retries."""
+    from pipelines.flink_cluster import FlinkClusterError, probe_rest
+
+    try:
+        probe_rest(master, "/overview", timeout_s=10.0)
+    except FlinkClusterError as err:
+        raise JobError(f"`--flink_master` {master}: {err}; start a session cluster (`trajpipe flink-cluster up`) "
+                       "or give a running JobManager's REST address (host:8081)") from err
+
+
+def _flink_job_failed(master: str, err: RuntimeError) -> JobError:
+    """The one-line error of a job that failed on a Flink cluster: whether the cluster still answers, and why."""
+    from pipelines.flink_cluster import FlinkClusterError, probe_rest
+
+    try:
+        probe_rest(master, "/overview", timeout_s=5.0)
+        state = "the cluster is up; its JobManager log and REST /jobs/<id>/exceptions have the details"
+    except FlinkClusterError:
+        state = "the cluster no longer answers"
+    first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+    # Beam stops the job server at interpreter exit and logs that as a WARNING, which would follow this error's
+    # line on stderr; the stop itself still happens.
+    logging.getLogger("apache_beam.utils.subprocess_server").setLevel(logging.ERROR)
+    return JobError(f"the job failed on the Flink cluster at {master} ({state}); nothing was committed: {first[:500]}")
 
 
 def _make_runner(name: str):
@@ -761,11 +796,17 @@ def run(argv: Sequence[str] | None = None, *, conn: KafkaConnection | None = Non
             late_retention_s=args.late_retention, max_future_s=args.max_future_s,
             use_domain_verifiers=not args.no_domain_verifiers, tokenizer=args.tokenizer,
         )
+    from pipelines.runners import flink_cluster_master
+
+    options = _options(args, beam_args)
+    master = flink_cluster_master(args.runner or "FnApiRunner", beam_args)
+    if master:
+        _check_flink_master(master)
     total = dict.fromkeys(COUNT_KEYS, 0)
     while True:
         try:
             counts = run_batch(
-                out=args.out, recipe=recipe, source=args.source, options=_options(args, beam_args),
+                out=args.out, recipe=recipe, source=args.source, options=options,
                 runner_name=args.runner or "FnApiRunner", archive=args.archive, kafka=kafka,
                 incomplete_after_s=args.incomplete_after, shards=args.shards, group_timeout_s=args.group_timeout,
                 late_retention_s=args.late_retention, max_future_s=args.max_future_s,
@@ -780,6 +821,10 @@ def run(argv: Sequence[str] | None = None, *, conn: KafkaConnection | None = Non
                          type(err).__name__, err, args.loop)
             time.sleep(args.loop)
             continue
+        except RuntimeError as err:  # Beam's "Pipeline ... failed in state FAILED: ..."
+            if not master:
+                raise
+            raise _flink_job_failed(master, err) from err
         # Held counts are a state, not a flow: the loop's total is the last micro-batch's.
         total = {k: counts[k] if k in ("groups_held", "episodes_held") else total[k] + counts[k] for k in COUNT_KEYS}
         _LOG.info("micro-batch done: %s", json.dumps(counts))

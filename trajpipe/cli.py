@@ -1002,6 +1002,23 @@ def pipeline_run(ctx: typer.Context) -> None:
     _print_counts(counts)
 
 
+@app.command("flink-cluster")
+def flink_cluster(
+    action: Annotated[str, typer.Argument(help="up | down | status")],
+    dir: Annotated[Path, typer.Option("--dir", help="cluster directory (config, logs, pids)")],
+    task_managers: Annotated[int, typer.Option("--task-managers", help="TaskManager processes (up)")] = 2,
+    slots: Annotated[int, typer.Option("--slots", help="task slots per TaskManager (up)")] = 1,
+) -> None:
+    """A Flink 1.19 session cluster on this machine (pipelines/flink_cluster.py; docs/runners.md)."""
+    from pipelines.flink_cluster import FlinkClusterError, cluster_command
+
+    _check_dir("--dir", dir)
+    try:
+        _print_counts(cluster_command(action, dir=dir, task_managers=task_managers, slots=slots))
+    except FlinkClusterError as err:
+        _fail(str(err))
+
+
 @app.command("loop")
 def loop(
     config: Annotated[Path, typer.Option("--config", help="loop YAML (trajpipe/configs/loop.yaml)")],
