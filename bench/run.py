@@ -78,6 +78,13 @@ def _pipeline(ctx: BenchContext) -> dict:
     return bench_pipeline(ctx.bootstrap, ctx.workdir / "pipeline")
 
 
+def _scale(ctx: BenchContext) -> dict:
+    from bench.scale import bench_scale
+
+    # 10k, 100k and 1M events through the batch job (~4 min here); TRAJPIPE_BENCH_SCALE_MAX_EVENTS caps it.
+    return bench_scale(ctx.bootstrap, ctx.workdir / "scale")
+
+
 def _sandbox(ctx: BenchContext) -> dict:
     from rollout.bench_sandbox import measure_start
 
@@ -141,6 +148,7 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "codec": _codec,
     "producer": _producer,
     "pipeline": _pipeline,
+    "scale": _scale,
     "sandbox": _sandbox,
     "rollout": _rollout,
     "round_trip": _round_trip,
