@@ -84,6 +84,13 @@ def _flink_cluster(ctx: BenchContext) -> dict:
     return bench_flink_cluster(ctx.bootstrap, ctx.workdir / "flink_cluster")
 
 
+def _scale(ctx: BenchContext) -> dict:
+    from bench.scale import bench_scale
+
+    # 10k, 100k and 1M events through the batch job (~4 min here); TRAJPIPE_BENCH_SCALE_MAX_EVENTS caps it.
+    return bench_scale(ctx.bootstrap, ctx.workdir / "scale")
+
+
 def _sandbox(ctx: BenchContext) -> dict:
     from rollout.bench_sandbox import measure_start
 
@@ -148,6 +155,7 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "producer": _producer,
     "pipeline": _pipeline,
     "flink_cluster": _flink_cluster,
+    "scale": _scale,
     "sandbox": _sandbox,
     "rollout": _rollout,
     "round_trip": _round_trip,

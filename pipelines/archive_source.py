@@ -39,12 +39,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from apache_beam.metrics import Metrics
 
 from pipelines.decode import validate_event
 from pipelines.gcpause import gc_paused
 from pipelines.late import LateState
-from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE
+from pipelines.types import DEAD_LETTER_TAG
 from schemas.arrow import ENVELOPE_FIELDS, archive_schema, payload_fields
 from schemas.deadletter import DeadLetter
 from schemas.events import EVENT_TYPES, Event, LogProbs, TokenIds
@@ -350,16 +349,20 @@ FRAMES_TAG = "frames"
 
 class _ReadFileLocalFn(beam.DoFn):
     def __init__(self, split: frozenset[str], already_emitted: frozenset[str], buckets: int, *,
-                 late: LateState | None, future_after_s: float) -> None:
+                 late: LateState | None, future_after_s: float, committed: Any = None) -> None:
         from pipelines.frames import EpisodeAssembler
 
         self._split = split
         self._buckets = buckets
-        self._assemble = EpisodeAssembler(already_emitted, late=late, future_after_s=future_after_s)
-        self._events_in = Metrics.counter(METRICS_NAMESPACE, "events_in")
-        self._dead = Metrics.counter(METRICS_NAMESPACE, "dead_letters")
-        self._files = Metrics.counter(METRICS_NAMESPACE, "archive_files_read")
-        self._local = Metrics.counter(METRICS_NAMESPACE, "episodes_assembled_locally")
+        self._assemble = EpisodeAssembler(already_emitted, late=late, future_after_s=future_after_s,
+                                          committed=committed,
+                                          counts=("events_in", "archive_files_read", "episodes_assembled_locally"))
+        c = self._assemble.counts  # one dict per bundle on `counts` (pipelines/counts.py)
+        self._events_in, self._dead = c["events_in"], c["dead_letters"]
+        self._files, self._local = c["archive_files_read"], c["episodes_assembled_locally"]
+
+    def setup(self) -> None:
+        self._assemble.setup()
 
     def process(self, f: ArchiveFile) -> Iterator[Any]:
         from pipelines.frames import to_frames
@@ -399,6 +402,8 @@ class ReadArchiveEpisodes(beam.PTransform):
         files: the files to read (default: every committed file).
         split: episode ids that must go through the shuffle.
         already_emitted: episode ids earlier commits emitted complete or hold (their events are duplicates).
+        committed: a :class:`pipelines.committed.CommittedView`: ``already_emitted`` and ``late`` are read
+            from the dataset by the workers instead (the job graph does not grow with the history).
         buckets: shuffle buckets of the ``frames`` output (:func:`pipelines.frames.shuffle_buckets`).
         late: the late state of the last commit (episodes it wrote incomplete; pipelines/late.py).
         future_after_s: event times after this (epoch seconds) are future (kept, not on the clock).
@@ -406,21 +411,23 @@ class ReadArchiveEpisodes(beam.PTransform):
     Returns:
         A ``DoOutputsTuple``: ``episodes`` (complete :class:`~pipelines.types.Episode` s),
         ``undecided`` (with the outcomes of late events), ``clock``, ``frames``, ``dead_letters`` and
-        ``feedback`` (``(Feedback, attached)``, pipelines/feedback.py). Counters as
+        ``feedback`` (``(Feedback, attached)``, pipelines/feedback.py), ``counts`` (pipelines/counts.py). Counters as
         ``pipeline/events_in``, ``pipeline/dead_letters``, ``pipeline/archive_files_read``,
         ``pipeline/episodes_assembled_locally``.
     """
 
     def __init__(self, archive_dir: str | Path, *, files: Sequence[ArchiveFile] | None = None,
                  split: Iterable[str] = (), already_emitted: Iterable[str] = (), buckets: int = 1,
-                 late: LateState | None = None, future_after_s: float = math.inf) -> None:
+                 late: LateState | None = None, future_after_s: float = math.inf, committed: Any = None) -> None:
         super().__init__()
+        self._committed = committed
         self._files = list(files) if files is not None else list_archive_files(archive_dir)
         self._split, self._already = frozenset(split), frozenset(already_emitted)
         self._buckets = buckets
         self._late, self._future_after = late, future_after_s
 
     def expand(self, pbegin):
+        from pipelines.counts import COUNTS_TAG
         from pipelines.feedback import FEEDBACK_TAG
         from pipelines.frames import CLOCK_TAG, UNDECIDED_TAG
         from pipelines.types import Episode
@@ -430,7 +437,8 @@ class ReadArchiveEpisodes(beam.PTransform):
             | "ListFiles" >> beam.Create(self._files, reshuffle=False)
             | "Distribute" >> beam.Reshuffle()
             | "ReadAndAssemble" >> beam.ParDo(_ReadFileLocalFn(
-                self._split, self._already, self._buckets, late=self._late, future_after_s=self._future_after)
+                self._split, self._already, self._buckets, late=self._late, future_after_s=self._future_after,
+                committed=self._committed)
             ).with_output_types(Episode).with_outputs(DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG, FRAMES_TAG,
-                                                      FEEDBACK_TAG, main="episodes")
+                                                      FEEDBACK_TAG, COUNTS_TAG, main="episodes")
         )

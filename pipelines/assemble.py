@@ -49,6 +49,7 @@ from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import BagStateSpec, ReadModifyWriteStateSpec, TimerSpec, on_timer
 from apache_beam.utils.timestamp import Duration, Timestamp
 
+from pipelines.counts import BundleCounts
 from pipelines.late import LATE_TAG, LateEpisode, LateState, LateStateReader
 from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE, Episode
 from schemas.datasets import Verification
@@ -196,11 +197,11 @@ class _DecideFn(beam.DoFn):
     def __init__(self, incomplete_after_s: float, *, future_after_s: float = math.inf,
                  keep_events: bool = False) -> None:
         self._after, self._future_after, self._keep = incomplete_after_s, future_after_s, keep_events
-        self._counters = {
-            k: Metrics.counter(METRICS_NAMESPACE, k)
-            for k in ("events_used", "events_incomplete", "events_pending_out",
-                      "episodes_complete", "episodes_incomplete", "episodes_pending")
-        }
+        self._counters = BundleCounts(("events_used", "events_incomplete", "events_pending_out",
+                                       "episodes_complete", "episodes_incomplete", "episodes_pending"))
+
+    def finish_bundle(self) -> Iterator[Any]:
+        yield from self._counters.output()  # the counts as data (pipelines/counts.py)
 
     def process(self, element: tuple[str, list[Event]] | LateEpisode, clock_s: float) -> Iterator[Any]:
         if isinstance(element, LateEpisode):
@@ -291,11 +292,13 @@ class _AssembleStatefulFn(beam.DoFn):
     RETAIN = TimerSpec("retain", TimeDomain.WATERMARK)  # end of the late retention of an incomplete episode
 
     def __init__(self, incomplete_after_s: float, end_of_input_s: float | None, *, late: LateState | None = None,
-                 late_retention_s: float = 0.0, end_of_input_lag_s: float | None = None) -> None:
+                 late_retention_s: float = 0.0, end_of_input_lag_s: float | None = None,
+                 committed: Any = None) -> None:
         self._after = incomplete_after_s
         self._end_of_input_s = end_of_input_s
         self._end_of_input_lag_s = end_of_input_lag_s
         self._late = late or LateState()
+        self._committed = committed
         self._retention = late_retention_s
         self._counters = {
             k: Metrics.counter(METRICS_NAMESPACE, k)
@@ -305,6 +308,8 @@ class _AssembleStatefulFn(beam.DoFn):
         }
 
     def setup(self) -> None:
+        if self._committed is not None:  # read from the dataset here, not shipped in the job graph
+            self._late = self._committed.load().late
         self._reader = LateStateReader(self._late)
 
     #: outcome -> (events counter, episodes counter)
@@ -476,6 +481,8 @@ class AssembleEpisodesStreaming(beam.PTransform):
             kept (0: none; its later events are late, reason ``expired``).
         end_of_input_lag_s: a timer due later than the wall clock minus this many
             seconds when it fires means "input ended" (None: only ``end_of_input_s``).
+        committed: a :class:`pipelines.committed.CommittedView`: ``late`` is read from the dataset by
+            the workers instead (the job graph does not grow with the history).
 
     Returns:
         A ``DoOutputsTuple`` with ``episodes`` (main), ``incomplete``,
@@ -484,8 +491,9 @@ class AssembleEpisodesStreaming(beam.PTransform):
 
     def __init__(self, *, incomplete_after_s: float = 3600.0, end_of_input_s: float | None = None,
                  late: LateState | None = None, late_retention_s: float = 0.0,
-                 end_of_input_lag_s: float | None = None) -> None:
+                 end_of_input_lag_s: float | None = None, committed: Any = None) -> None:
         super().__init__()
+        self._committed = committed
         if incomplete_after_s < 0 or late_retention_s < 0:
             raise ValueError(f"`incomplete_after_s` and `late_retention_s` must be >= 0, got {incomplete_after_s} "
                              f"and {late_retention_s}")
@@ -497,6 +505,6 @@ class AssembleEpisodesStreaming(beam.PTransform):
     def expand(self, fragments):
         return fragments | "AssembleStateful" >> beam.ParDo(
             _AssembleStatefulFn(self._after, self._end_of_input_s, late=self._late, late_retention_s=self._retention,
-                                end_of_input_lag_s=self._end_of_input_lag_s)
+                                end_of_input_lag_s=self._end_of_input_lag_s, committed=self._committed)
         ).with_output_types(Episode).with_outputs(INCOMPLETE_TAG, PENDING_TAG, LATE_TAG, DEAD_LETTER_TAG,
                                                   main="episodes")

@@ -44,7 +44,7 @@ import fcntl
 import logging
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -319,6 +319,8 @@ def commit_staged(
     held_prefix = f"state/{HELD_DIR}/"
     for p in sorted(staging.rglob(f"*{STAGED_SUFFIX}")):
         rel = str(p.relative_to(staging))[: -len(STAGED_SUFFIX)]
+        if rel.startswith("_counts/"):  # the job's count files (pipelines/counts.py): no part of the commit
+            continue
         if rel == f"state/{RUN_STATS_FILE}":
             run_stats = msgspec.json.decode(p.read_bytes(), type=dict[str, RunningStats])
             continue
@@ -507,7 +509,7 @@ LATE_STATE_MAX_FILES = 16
 
 
 def carry_late_state(layout: DatasetLayout, last: DatasetManifest | None, staging: Path, *, clock_s: float,
-                     retention_s: float, drop: Iterable[str] = ()) -> dict[str, float]:
+                     retention_s: float, drop: Iterable[str] | Callable[[], Iterable[str]] = ()) -> dict[str, float]:
     """The late-state files of ``last`` that the next commit keeps (for its manifest's ``late_state``).
 
     A file is kept while its newest event time is within ``retention_s`` of
@@ -523,14 +525,16 @@ def carry_late_state(layout: DatasetLayout, last: DatasetManifest | None, stagin
         staging: the commit's staging directory.
         clock_s: the event-time clock after the commit.
         retention_s: ``--late-retention`` seconds.
-        drop: episodes emitted complete by now (their kept events are not needed).
+        drop: episodes emitted complete by now (their kept events are not needed), or a function that
+            returns them (called only when the files are merged).
     """
     kept = {p: t for p, t in (last.late_state if last else {}).items() if t + retention_s >= clock_s}
     staged = staging / "state" / (LATE_STATE_FILE + STAGED_SUFFIX)
     if len(kept) + staged.exists() <= LATE_STATE_MAX_FILES:
         return kept
     tables = [feather.read_table(staged)] if staged.exists() else []
-    done = set(drop) | (set(tables[0].column("episode_id").to_pylist()) if tables else set())
+    done = set(drop() if callable(drop) else drop)
+    done |= set(tables[0].column("episode_id").to_pylist()) if tables else set()
     paths = [str(layout.root / p) for p in kept]
     index = late_state_index(paths, skip=done)
     by_file: dict[int, list[int]] = {}

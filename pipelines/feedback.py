@@ -227,16 +227,25 @@ def _write_parquet(table: pa.Table, path: Path) -> None:
 
 
 class _WriteFeedbackFn(beam.DoFn):
-    def __init__(self, staging: str, recipe: Recipe, commit: int, seen: frozenset[str]) -> None:
+    def __init__(self, staging: str, recipe: Recipe, commit: int, seen: frozenset[str], committed: Any = None) -> None:
         self._staging, self._recipe, self._commit, self._seen = staging, recipe, commit, seen
+        self._committed = committed
         self._written = Metrics.counter(METRICS_NAMESPACE, "feedback_events")
         self._dups = Metrics.counter(METRICS_NAMESPACE, "duplicates")
 
+    def setup(self) -> None:
+        if self._committed is not None:  # the committed ids, read here rather than shipped in the graph
+            self._seen = self._committed.feedback_ids()
+
     def process(self, items: list[tuple[Feedback, bool]]) -> Iterator[str]:
+        from pipelines.counts import write_counts_file
+
         files, n, dups = write_feedback_file(items, self._staging, recipe=self._recipe, commit=self._commit,
                                              seen=self._seen)
         self._written.inc(n)
         self._dups.inc(dups)
+        # One writer per commit: its counts beside its file, for the commit (pipelines/counts.py).
+        write_counts_file(self._staging, "feedback", {"feedback_events": n, "duplicates": dups})
         yield from files
 
 
@@ -251,21 +260,25 @@ class WriteFeedback(beam.PTransform):
         recipe: the recipe (names the version).
         commit: the commit number.
         seen: feedback event ids of the version's earlier commits (:func:`committed_feedback_ids`).
+        committed: a :class:`pipelines.committed.CommittedView`: ``seen`` is read from the dataset by
+            the worker instead (the job graph does not grow with the history).
 
     Returns:
         PCollection of the staged file's final relative path.
     """
 
-    def __init__(self, staging: str | Path, recipe: Recipe, *, commit: int, seen: Iterable[str] = ()) -> None:
+    def __init__(self, staging: str | Path, recipe: Recipe, *, commit: int, seen: Iterable[str] = (),
+                 committed: Any = None) -> None:
         super().__init__()
         self._staging, self._recipe, self._commit, self._seen = str(staging), recipe, commit, frozenset(seen)
+        self._committed = committed
 
     def expand(self, feedback):
         return (
             feedback
             | "CollectFeedback" >> beam.combiners.ToList().without_defaults()
             | "WriteFeedbackFile" >> beam.ParDo(_WriteFeedbackFn(self._staging, self._recipe, self._commit,
-                                                                 self._seen))
+                                                                 self._seen, self._committed))
         )
 
 

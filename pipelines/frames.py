@@ -45,6 +45,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
+from pipelines.counts import COUNTS_TAG, BundleCounts
 from pipelines.assemble import (
     EVENT_TIME_METRIC,
     INCOMPLETE_TAG,
@@ -135,9 +136,7 @@ class _KeyFramesFn(beam.DoFn):
     def __init__(self, max_event_bytes: int, buckets: int) -> None:
         self._max = max_event_bytes
         self._buckets = buckets
-        self._events_in = Metrics.counter(METRICS_NAMESPACE, "events_in")
-        self._dead = Metrics.counter(METRICS_NAMESPACE, "dead_letters")
-        self._batches = Metrics.counter(METRICS_NAMESPACE, "batches_in")
+        self._c = BundleCounts(("events_in", "dead_letters", "batches_in"))
 
     def process(self, batch: RawRecords) -> Iterator[Any]:
         groups: dict[int, tuple[list, list, list, list, list]] = defaultdict(lambda: ([], [], [], [], []))
@@ -151,7 +150,7 @@ class _KeyFramesFn(beam.DoFn):
                         raise EventDecodeError("null_value", "record has no value (a tombstone?)")
                     episode_id = decode_event(value, max_bytes=self._max).episode_id
                 except EventDecodeError as err:
-                    self._dead.inc()
+                    self._c.inc("dead_letters")
                     yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, record_dead_letter(
                         batch.topic, batch.partition, offset, ts, key, value, err.reason, str(err), err.event_type))
                     continue
@@ -164,12 +163,15 @@ class _KeyFramesFn(beam.DoFn):
             keys.append(key)
             frames.append(value)
             ids.append(episode_id)
-        self._batches.inc()
-        self._events_in.inc(len(batch))
+        self._c.inc("batches_in")
+        self._c.inc("events_in", len(batch))
         p = batch.partition
         for bucket, (offs, tss, keys, frames, ids) in groups.items():
             yield bucket, FrameBlob(topic=batch.topic, partitions=[p] * len(offs), offsets=offs, timestamps_ms=tss,
                                     keys=keys, frames=frames, episode_ids=ids).encode()
+
+    def finish_bundle(self) -> Iterator[Any]:
+        yield from self._c.output()
 
 
 class KeyFrames(beam.PTransform):
@@ -177,7 +179,8 @@ class KeyFrames(beam.PTransform):
 
     No decoding (records are keyed by ``episode_id``); a record without a key
     is decoded to find its episode, and one that does not decode goes to
-    ``dead_letters``. Counters ``pipeline/events_in``, ``pipeline/batches_in``.
+    ``dead_letters``. Counters ``pipeline/events_in``, ``pipeline/batches_in`` (also as data on ``counts``:
+    :mod:`pipelines.counts`).
 
     Args:
         max_event_bytes: frames larger than this are dead letters (``oversize``).
@@ -185,7 +188,7 @@ class KeyFrames(beam.PTransform):
             frames for one :class:`AssembleEpisodesFromFrames` must use the same.
 
     Returns:
-        A ``DoOutputsTuple`` with ``frames`` and ``dead_letters``.
+        A ``DoOutputsTuple`` with ``frames``, ``dead_letters`` and ``counts``.
     """
 
     def __init__(self, *, max_event_bytes: int = 1 << 20, buckets: int = 1) -> None:
@@ -197,7 +200,7 @@ class KeyFrames(beam.PTransform):
 
     def expand(self, batches):
         return batches | "KeyFrames" >> beam.ParDo(_KeyFramesFn(self._max, self._buckets)).with_output_types(
-            Tuple[int, bytes]).with_outputs(DEAD_LETTER_TAG, main="frames")
+            Tuple[int, bytes]).with_outputs(DEAD_LETTER_TAG, COUNTS_TAG, main="frames")
 
 
 def to_frames(fragment: tuple[str, list[Event]], topic: str, buckets: int = 1) -> tuple[int, bytes]:
@@ -239,27 +242,42 @@ class EpisodeAssembler:
     (:meth:`clock_output`, from ``finish_bundle``). Event times after
     ``future_after_s`` are *future* (counted ``future_events``, kept in their
     episode) and never reach the clock.
+
+    With ``committed`` (a :class:`pipelines.committed.CommittedView`), the
+    emitted episodes and the late state are read from the dataset by
+    :meth:`setup` on the worker (the host DoFn's ``setup``), not shipped in the
+    job graph. The counts go out as data too (:meth:`clock_output`, ``counts``;
+    :mod:`pipelines.counts`); ``counts`` is the host's to add its own to.
     """
 
-    def __init__(self, already_emitted: frozenset[str], *, late: LateState | None = None,
-                 future_after_s: float = math.inf) -> None:
+    def __init__(self, already_emitted: frozenset[str] = frozenset(), *, late: LateState | None = None,
+                 future_after_s: float = math.inf, committed: Any = None,
+                 counts: tuple[str, ...] = ()) -> None:
         self._already = already_emitted
         self._late = late or LateState()
+        self._committed = committed
         self._reader: LateStateReader | None = None
         self._future_after = future_after_s
-        self._c = {k: Metrics.counter(METRICS_NAMESPACE, k)
-                   for k in ("dead_letters", "duplicates", "events_used", "episodes_complete", "late_events",
-                             "episodes_completed_late", "future_events")}
+        self._c = self.counts = BundleCounts(
+            ("dead_letters", "duplicates", "events_used", "episodes_complete", "late_events",
+             "episodes_completed_late", "future_events", *counts))
         self._event_time = Metrics.distribution(METRICS_NAMESPACE, EVENT_TIME_METRIC)
         self._latest: float | None = None
 
+    def setup(self) -> None:
+        """Read the committed state this run builds on (with ``committed``; once per worker process)."""
+        if self._committed is not None:
+            state = self._committed.load()
+            self._already, self._late, self._reader = state.emitted, state.late, None
+
     def clock_output(self) -> Iterator[beam.pvalue.TaggedOutput]:
-        """The bundle's latest event time on ``clock`` (for ``finish_bundle``), then forget it."""
+        """The bundle's latest event time on ``clock`` and its counts on ``counts`` (for ``finish_bundle``)."""
         if self._latest is not None:
             window = GlobalWindow()
             yield beam.pvalue.TaggedOutput(CLOCK_TAG, WindowedValue(self._latest, window.max_timestamp(), [window]))
             self._event_time.update(int(self._latest * 1000))
         self._latest = None
+        yield from self._c.output()
 
     def _clock_time(self, events: list[Event]) -> float | None:
         """Latest event time of ``events`` that is not in the future (None: all are); counts the future ones."""
@@ -341,10 +359,14 @@ class EpisodeAssembler:
 
 class _AssembleFromFramesFn(beam.DoFn):
     def __init__(self, already_emitted: frozenset[str], max_event_bytes: int, *, late: LateState | None,
-                 future_after_s: float) -> None:
-        self._assemble = EpisodeAssembler(already_emitted, late=late, future_after_s=future_after_s)
+                 future_after_s: float, committed: Any = None) -> None:
+        self._assemble = EpisodeAssembler(already_emitted, late=late, future_after_s=future_after_s,
+                                          committed=committed)
         self._max = max_event_bytes
-        self._dead = Metrics.counter(METRICS_NAMESPACE, "dead_letters")
+        self._dead = self._assemble.counts["dead_letters"]
+
+    def setup(self) -> None:
+        self._assemble.setup()
 
     def process(self, element: tuple[int, Iterable[bytes]]) -> Iterator[Any]:
         _, blobs = element
@@ -392,21 +414,25 @@ class AssembleFromFrames(beam.PTransform):
     :class:`~pipelines.types.Episode` on the main output; unfinished or gapped
     ones go to ``undecided`` as ``(episode_id, events)``. ``clock`` carries
     each bundle's latest event time (epoch seconds) that is not after
-    ``future_after_s`` (:class:`EpisodeAssembler`).
+    ``future_after_s`` (:class:`EpisodeAssembler`); ``counts`` its count dicts
+    (:mod:`pipelines.counts`). With ``committed``
+    (:class:`pipelines.committed.CommittedView`), ``already_emitted`` and ``late``
+    are read from the dataset on the workers instead.
     """
 
     def __init__(self, *, already_emitted: Iterable[str] = (), max_event_bytes: int = 1 << 20,
-                 late: LateState | None = None, future_after_s: float = math.inf) -> None:
+                 late: LateState | None = None, future_after_s: float = math.inf, committed: Any = None) -> None:
         super().__init__()
         self._already = frozenset(already_emitted)
         self._max = max_event_bytes
-        self._late, self._future_after = late, future_after_s
+        self._late, self._future_after, self._committed = late, future_after_s, committed
 
     def expand(self, grouped):
         return grouped | "DecodeAssemble" >> beam.ParDo(
-            _AssembleFromFramesFn(self._already, self._max, late=self._late, future_after_s=self._future_after)
+            _AssembleFromFramesFn(self._already, self._max, late=self._late, future_after_s=self._future_after,
+                                  committed=self._committed)
         ).with_output_types(Episode).with_outputs(DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG, FEEDBACK_TAG,
-                                                  main="episodes")
+                                                  COUNTS_TAG, main="episodes")
 
 
 class AssembleEpisodesFromFrames(beam.PTransform):
@@ -432,22 +458,27 @@ class AssembleEpisodesFromFrames(beam.PTransform):
         late: the late state of the last commit (:func:`pipelines.commit.load_late_state`).
         future_after_s: event times after this (epoch seconds) are future.
         keep_incomplete: put the events of episodes decided incomplete on ``late``.
+        committed: a :class:`pipelines.committed.CommittedView`: ``already_emitted`` and ``late`` are read
+            from the dataset by the workers (the job graph does not grow with the history).
 
     Returns:
-        ``{"episodes", "pending", "incomplete", "late", "dead_letters", "clock", "feedback"}``; ``clock``
-        is the run's event-time clock, one float (epoch seconds); ``feedback`` the ``(Feedback, attached)``
-        pairs of the shuffled and (input ``feedback``) the local assembly (pipelines/feedback.py).
+        ``{"episodes", "pending", "incomplete", "late", "dead_letters", "clock", "feedback", "counts"}``;
+        ``clock`` is the run's event-time clock, one float (epoch seconds); ``feedback`` the
+        ``(Feedback, attached)`` pairs of the shuffled and (input ``feedback``) the local assembly
+        (pipelines/feedback.py); ``counts`` the assembly's and the decision's count dicts
+        (:mod:`pipelines.counts`).
     """
 
     def __init__(self, *, incomplete_after_s: float = 3600.0, clock_floor_s: float = 0.0,
                  already_emitted: Iterable[str] = (), late: LateState | None = None,
-                 future_after_s: float = math.inf, keep_incomplete: bool = False) -> None:
+                 future_after_s: float = math.inf, keep_incomplete: bool = False, committed: Any = None) -> None:
         super().__init__()
         if incomplete_after_s < 0:
             raise ValueError(f"`incomplete_after_s` must be >= 0, got {incomplete_after_s}")
         self._after, self._floor = incomplete_after_s, clock_floor_s
         self._already = frozenset(already_emitted)
         self._late, self._future_after, self._keep = late, future_after_s, keep_incomplete
+        self._committed = committed
 
     def expand(self, pcolls):
         inputs = pcolls if isinstance(pcolls, dict) else {"frames": pcolls}
@@ -456,7 +487,8 @@ class AssembleEpisodesFromFrames(beam.PTransform):
             inputs["frames"]
             | "GroupByBucket" >> beam.GroupByKey()
             | "AssembleFromFrames" >> AssembleFromFrames(already_emitted=self._already, late=self._late,
-                                                         future_after_s=self._future_after)
+                                                         future_after_s=self._future_after,
+                                                         committed=self._committed)
         )
         clocks, undecided = [assembled[CLOCK_TAG]], [assembled[UNDECIDED_TAG]]
         feedback = assembled[FEEDBACK_TAG]
@@ -473,7 +505,9 @@ class AssembleEpisodesFromFrames(beam.PTransform):
         decided = undecided | "Decide" >> beam.ParDo(
             _DecideFn(self._after, future_after_s=self._future_after, keep_events=self._keep),
             clock_s=beam.pvalue.AsSingleton(clock)
-        ).with_output_types(Episode).with_outputs(PENDING_TAG, INCOMPLETE_TAG, LATE_TAG, main="episodes")
+        ).with_output_types(Episode).with_outputs(PENDING_TAG, INCOMPLETE_TAG, LATE_TAG, COUNTS_TAG,
+                                                  main="episodes")
+        counts = (assembled[COUNTS_TAG], decided[COUNTS_TAG]) | "AssemblyCounts" >> beam.Flatten()
         # Undecided episodes never turn out complete (completeness ignores the clock).
         return {
             "episodes": assembled.episodes,
@@ -483,4 +517,5 @@ class AssembleEpisodesFromFrames(beam.PTransform):
             DEAD_LETTER_TAG: assembled[DEAD_LETTER_TAG],
             CLOCK_TAG: clock,
             FEEDBACK_TAG: feedback,
+            COUNTS_TAG: counts,
         }

@@ -19,15 +19,16 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import apache_beam as beam
 import msgspec
 import numpy as np
-from apache_beam.metrics import Metrics
 
+from pipelines.counts import COUNTS_TAG, BundleCounts
 from pipelines.feedback import feedback_outcome, step_feedback_terms
 from pipelines.recipes import Recipe, discounted_returns, gae_advantages, load_prm, step_rewards
-from pipelines.types import METRICS_NAMESPACE, Episode
+from pipelines.types import Episode
 from schemas.datasets import Verification
 
 __all__ = ["ComputeProcessRewards", "step_scores", "verification_score", "step_passed", "annotate_rewards"]
@@ -82,8 +83,11 @@ class _RewardFn(beam.DoFn):
     def __init__(self, recipe: Recipe) -> None:
         self._recipe = recipe
         self._prm = None
-        self._steps = Metrics.counter(METRICS_NAMESPACE, "steps_rewarded")
-        self._excluded = Metrics.counter(METRICS_NAMESPACE, "episodes_excluded")
+        self._c = BundleCounts(("steps_rewarded", "episodes_excluded"))
+        self._steps, self._excluded = self._c["steps_rewarded"], self._c["episodes_excluded"]
+
+    def finish_bundle(self) -> Iterator[Any]:
+        yield from self._c.output()  # the counts as data (pipelines/counts.py)
 
     def setup(self) -> None:
         if self._recipe.reward == "prm":
@@ -104,12 +108,15 @@ class ComputeProcessRewards(beam.PTransform):
     removed by normalization). Formulas and sources: :mod:`pipelines.recipes`.
     Episodes that are not trainable get zeros and are counted in
     ``pipeline/episodes_excluded``. A ``prm`` recipe imports its model once
-    per worker (``DoFn.setup``).
+    per worker (``DoFn.setup``). With ``with_counts``, the result is a
+    ``DoOutputsTuple`` (``episodes``, and ``counts``: :mod:`pipelines.counts`).
     """
 
-    def __init__(self, recipe: Recipe) -> None:
+    def __init__(self, recipe: Recipe, *, with_counts: bool = False) -> None:
         super().__init__()
-        self._recipe = recipe
+        self._recipe, self._with_counts = recipe, with_counts
 
     def expand(self, episodes):
-        return episodes | "Rewards" >> beam.ParDo(_RewardFn(self._recipe)).with_output_types(Episode)
+        out = episodes | "Rewards" >> beam.ParDo(_RewardFn(self._recipe)).with_output_types(Episode).with_outputs(
+            COUNTS_TAG, main="episodes")
+        return out if self._with_counts else out.episodes

@@ -658,9 +658,13 @@ class _StageGroupStateFn(beam.DoFn):
                    for k in ("groups_released", "groups_held", "groups_timed_out", "episodes_held")}
 
     def process(self, run_groups: Mapping[GroupKey, GroupStats], clock_s: float) -> Iterator[str]:
+        from pipelines.counts import write_counts_file
+
         groups = self._decide(run_groups, clock_s)
         for k, v in groups.counts().items():
             self._c[k].inc(v)
+        # One writer per commit: its counts beside the state it stages, for the commit (pipelines/counts.py).
+        write_counts_file(self._staging, "groups", groups.counts())
         yield from _write_group_state(groups, self._staging)
 
 

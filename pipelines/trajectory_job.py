@@ -57,7 +57,12 @@ after the run, ``groups_released`` what it wrote, ``episodes_excluded`` the
 complete episodes it found untrainable; ``episodes_completed_late`` and
 ``future_events`` are outside the sum). ``evaluations`` counts the complete
 evaluation episodes (``purpose = "eval"``) written to ``evaluations/``; they
-are among ``episodes`` and their events among ``events_used``.
+are among ``episodes`` and their events among ``events_used``. A batch run's
+counts come from what it staged (count files and the staged files' footers,
+pipelines/counts.py), not from the runner's metrics; what earlier commits hold
+(emitted episodes, the late state, feedback ids) is read by the workers from
+the dataset (pipelines/committed.py), so the job graph does not grow with the
+dataset's history.
 """
 
 from __future__ import annotations
@@ -86,16 +91,15 @@ from pipelines.commit import (
     DatasetManifest,
     carry_late_state,
     commit_staged,
-    committed_episodes,
     covered_offsets,
-    held_episode_ids,
     latest_pending_file,
     load_held_state,
-    load_late_state,
     load_prior_norm,
     read_manifests,
     recover,
 )
+from pipelines.committed import CommittedView
+from pipelines.counts import COUNTS_TAG, StageCounts, read_staged_counts
 from pipelines.decode import DecodeAndValidate
 from pipelines.evaluations import EVAL_TAG, SplitEvaluations
 from pipelines.frames import (
@@ -111,14 +115,13 @@ from pipelines.feedback import (
     CorrectionError,
     SplitFeedback,
     WriteFeedback,
-    committed_feedback_ids,
     load_correction_tokenizer,
     stage_corrections,
 )
 from pipelines.groups import DEFAULT_GROUP_TIMEOUT_S
 from pipelines.recipes import Recipe, load_recipe
 from pipelines.rewards import ComputeProcessRewards
-from pipelines.sinks import WriteDatasets
+from pipelines.sinks import STAGED_SUFFIX, WriteDatasets
 from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE, RawRecords
 from pipelines.verify import VerifySteps
 from schemas.events import Event
@@ -408,12 +411,10 @@ def run_batch(
               pending_path, len(held.groups.held))
 
     # Held episodes were emitted too (as held rows): their events, seen again, are duplicates. Events of
-    # episodes written only as incomplete are late (pipelines/late.py).
-    committed = committed_episodes(layout, manifests)
-    emitted = committed.complete | held_episode_ids(held)
+    # episodes written only as incomplete are late (pipelines/late.py). The workers read both from the
+    # dataset (commits 1..n): the graph carries the reference, not the sets, so it does not grow with them.
+    committed = CommittedView.of(layout, manifests, late_retention_s=late_retention_s)
     clock_s = last.clock_s if last else 0.0
-    late = load_late_state(layout, manifests, emitted=emitted, incomplete=committed.incomplete, clock_s=clock_s,
-                           retention_s=late_retention_s)
     future_after_s = processing_time_s(source, files=files, raw_records=raw_records) + max_future_s
     runner = _make_runner(runner_name)
     p = beam.Pipeline(runner=runner, options=options or PipelineOptions([]))
@@ -426,8 +427,7 @@ def run_batch(
         split = split_episode_ids(files, also=pending_ids)
         buckets = shuffle_buckets(len(split) * 16)  # only episodes spread over files take the shuffle
         read = p | "ReadArchive" >> ReadArchiveEpisodes(
-            archive, files=files, split=split, already_emitted=emitted, buckets=buckets, late=late,
-            future_after_s=future_after_s)
+            archive, files=files, split=split, committed=committed, buckets=buckets, future_after_s=future_after_s)
         local, frames = read, read[FRAMES_TAG]
     else:
         if source == "kafka":
@@ -449,7 +449,7 @@ def run_batch(
     if local is not None:
         to_assemble.update(clock=local[CLOCK_TAG], undecided=local[UNDECIDED_TAG], feedback=local[FEEDBACK_TAG])
     assembled = to_assemble | "AssembleEpisodes" >> AssembleEpisodesFromFrames(
-        incomplete_after_s=incomplete_after_s, clock_floor_s=clock_s, already_emitted=emitted, late=late,
+        incomplete_after_s=incomplete_after_s, clock_floor_s=clock_s, committed=committed,
         future_after_s=future_after_s, keep_incomplete=late_retention_s > 0,
     )
     # One chain per branch: a Flatten of Episodes would encode and decode every one of them.
@@ -457,10 +457,12 @@ def run_batch(
     # Evaluation episodes leave here for the evaluations table: no rewards, groups or statistics.
     splits = [b | f"SplitEvaluations{'Local' if i else ''}" >> SplitEvaluations() for i, b in enumerate(branches)]
     incomplete = assembled[INCOMPLETE_TAG] | "SplitIncompleteEvaluations" >> SplitEvaluations(counter=None)
-    episodes = tuple(
-        s.train | f"Process{'Local' if i else ''}" >> ProcessEpisodes(recipe, use_domain_verifiers=use_domain_verifiers)
+    processed = [
+        s.train | f"Process{'Local' if i else ''}" >> ProcessEpisodes(recipe, use_domain_verifiers=use_domain_verifiers,
+                                                                     with_counts=True)
         for i, s in enumerate(splits)
-    )
+    ]
+    episodes = tuple(pr["episodes"] for pr in processed)
     # Groups and normalization: the writer computes the run's group statistics from its staged rows,
     # holds groups not whole yet, and normalizes every shard with prior ⊕ the released groups'.
     dead = (read[DEAD_LETTER_TAG], assembled[DEAD_LETTER_TAG]) | "AllDeadLetters" >> beam.Flatten()
@@ -470,18 +472,22 @@ def run_batch(
         "late": assembled[LATE_TAG], "evaluations": (*(s[EVAL_TAG] for s in splits), incomplete[EVAL_TAG]),
     } | "WriteDatasets" >> WriteDatasets(staging, recipe, commit=commit, shards=shards, prior=prior.stats,
                                          held=held, group_timeout_s=group_timeout_s)
-    _ = assembled[FEEDBACK_TAG] | "WriteFeedback" >> WriteFeedback(
-        staging, recipe, commit=commit, seen=committed_feedback_ids(out, manifests))
+    _ = assembled[FEEDBACK_TAG] | "WriteFeedback" >> WriteFeedback(staging, recipe, commit=commit,
+                                                                   committed=committed)
+    # The counts as data, staged beside the files (pipelines/counts.py): exact whatever the runner's metrics.
+    _ = ((read[COUNTS_TAG], assembled[COUNTS_TAG], *(pr[COUNTS_TAG] for pr in processed)), assembled[CLOCK_TAG]) \
+        | "StageCounts" >> StageCounts(staging)
     result = p.run()
     result.wait_until_finish()
-    counts, clock_ms = _counts(result)
+    counts, run_clock_s = _counts_from_files(staging, pending_path)
+    _compare_with_metrics(counts, result)
     counts.update(stage_corrections(out, staging, recipe=recipe, commit=commit, manifests=manifests,
                                     tokenizer=load_correction_tokenizer(tokenizer) if tokenizer else None,
                                     tokenizer_name=str(tokenizer or "")))
     manifest.counts = counts
-    manifest.clock_s = max(clock_s, clock_ms / 1000.0)
+    manifest.clock_s = max(clock_s, run_clock_s)
     manifest.late_state = carry_late_state(layout, last, staging, clock_s=manifest.clock_s,
-                                           retention_s=late_retention_s, drop=emitted)
+                                           retention_s=late_retention_s, drop=lambda: committed.load().emitted)
     commit_staged(layout, manifest, prior_norm=prior, crash_at=crash_at)
     _check_accounted(counts)
     return counts
@@ -507,22 +513,30 @@ def processing_time_s(source: str, *, files: Sequence[ArchiveFile] = (),
 
 
 class ProcessEpisodes(beam.PTransform):
-    """verify → process rewards → clip: what happens to every assembled episode, in both modes."""
+    """verify → process rewards → clip: what happens to every assembled episode, in both modes.
 
-    def __init__(self, recipe: Recipe, *, use_domain_verifiers: bool = True) -> None:
+    With ``with_counts``, returns ``{"episodes": ..., "counts": ...}`` (the rewards step's count dicts,
+    pipelines/counts.py) instead of the episodes alone.
+    """
+
+    def __init__(self, recipe: Recipe, *, use_domain_verifiers: bool = True, with_counts: bool = False) -> None:
         super().__init__()
-        self._recipe, self._use_domain = recipe, use_domain_verifiers
+        self._recipe, self._use_domain, self._with_counts = recipe, use_domain_verifiers, with_counts
 
     def expand(self, episodes):
         recipe = self._recipe
-        return (
+        rewarded = (
             episodes
             | "VerifySteps" >> VerifySteps(use_domain_verifiers=self._use_domain)
-            | "ComputeProcessRewards" >> ComputeProcessRewards(recipe)
+            | "ComputeProcessRewards" >> ComputeProcessRewards(recipe, with_counts=True)
+        )
+        clipped = (
+            rewarded.episodes
             | "ClipTrajectories" >> ClipTrajectories(
                 max_steps=recipe.max_steps, max_action_tokens=recipe.max_action_tokens, gamma=recipe.gamma,
                 lam=recipe.lam, reward_min=recipe.reward_min, reward_max=recipe.reward_max)
         )
+        return {"episodes": clipped, COUNTS_TAG: rewarded[COUNTS_TAG]} if self._with_counts else clipped
 
 
 def _pending_ids(path: str | None) -> list[str]:
@@ -537,11 +551,16 @@ class _SkipCommittedFn(beam.DoFn):
     """Drop fragments of episodes an earlier run emitted complete or holds (replayed input): duplicates.
 
     Fragments of episodes written only as incomplete go on: their events are late (the assembler's job).
+    The emitted ids are read from the dataset in ``setup`` (:class:`pipelines.committed.CommittedView`).
     """
 
-    def __init__(self, committed: frozenset[str]) -> None:
-        self._committed = committed
+    def __init__(self, committed: CommittedView) -> None:
+        self._view = committed
+        self._committed: frozenset[str] = frozenset()
         self._dups = beam.metrics.Metrics.counter(METRICS_NAMESPACE, "duplicates")
+
+    def setup(self) -> None:
+        self._committed = self._view.load().emitted
 
     def process(self, fragment: tuple[str, list[Event]]):
         if fragment[0] in self._committed:
@@ -653,12 +672,12 @@ def run_stream(
     manifests = read_manifests(layout)
     topic = kafka["topic"]
     start = covered_offsets(manifests, topic)
-    committed = committed_episodes(layout, manifests)
-    held_ids = held_episode_ids(load_held_state(layout, manifests))
-    emitted = committed.complete | held_ids
-    late = load_late_state(layout, manifests, emitted=emitted, incomplete=committed.incomplete,
-                           clock_s=manifests[-1].clock_s if manifests else 0.0, retention_s=late_retention_s)
-    pending = _load_pending(latest_pending_file(layout, manifests), committed.all | held_ids)
+    # The workers read the committed episodes and the late state from the dataset (pipelines/committed.py):
+    # the graph carries the reference, not the sets. The driver reads them too (once, cached) to drop
+    # the pending fragments of episodes committed since (the pending state is bounded by open episodes).
+    committed = CommittedView.of(layout, manifests, late_retention_s=late_retention_s)
+    state = committed.load()
+    pending = _load_pending(latest_pending_file(layout, manifests), state.emitted | state.incomplete)
     if stop_at_end:
         stop_offsets = end_offsets(kafka["conn"], topic)
     started = time.time()
@@ -667,7 +686,8 @@ def run_stream(
     end_of_input_s = started if stop_at_end else (started + stop_after_s - idle_watermark_lag_s if stop_after_s
                                                   else None)
     _LOG.info("stream of %s from %s: start offsets %s, %d pending episodes, %d committed, %d kept incomplete, "
-              "recovered %s", topic, recipe.version, start, len(pending), len(committed.all), len(late.stored), fixed)
+              "recovered %s", topic, recipe.version, start, len(pending), len(state.emitted | state.incomplete),
+              len(state.late.stored), fixed)
 
     p = beam.Pipeline(options=options)
     batches = p | "ReadKafkaStream" >> ReadKafkaStream(
@@ -680,10 +700,10 @@ def run_stream(
     fb_split = (decoded.fragments, pending_in) | "AllFragments" >> beam.Flatten() | "Feedback" >> SplitFeedback()
     assembled = (
         fb_split.fragments
-        | "SkipCommitted" >> beam.ParDo(_SkipCommittedFn(frozenset(emitted))).with_output_types(
+        | "SkipCommitted" >> beam.ParDo(_SkipCommittedFn(committed)).with_output_types(
             Tuple[str, List[Event]])
         | "AssembleEpisodes" >> AssembleEpisodesStreaming(incomplete_after_s=incomplete_after_s,
-                                                         end_of_input_s=end_of_input_s, late=late,
+                                                         end_of_input_s=end_of_input_s, committed=committed,
                                                          late_retention_s=late_retention_s,
                                                          end_of_input_lag_s=idle_watermark_lag_s if stop_file
                                                          else None)
@@ -738,6 +758,39 @@ def _check_accounted(counts: dict[str, int]) -> None:
     if gap:
         _LOG.error("the counts do not reconcile: %+d events read are in no outcome (lost, or counted twice if "
                    "negative) between the source and the assembler: %s", gap, json.dumps(counts))
+
+
+def _counts_from_files(staging: Path, pending_path: str | None) -> tuple[dict[str, int], float]:
+    """(counts, the run's event-time clock in epoch seconds) from what the job staged, not from metrics.
+
+    The DoFns' count files (:func:`pipelines.counts.read_staged_counts`), plus what the files say
+    themselves: ``steps`` are the rows of the staged ``steps/`` files (Parquet footers), ``evaluations``
+    the complete rows of ``evaluations/``, ``events_pending_in`` the rows of the pending state read.
+    """
+    import pyarrow.feather as feather
+    import pyarrow.parquet as pq
+
+    totals, clock_s = read_staged_counts(staging)
+    totals["steps_written"] = sum(pq.ParquetFile(f).metadata.num_rows
+                                  for f in staging.glob(f"steps/**/*{STAGED_SUFFIX}"))
+    totals["evaluations"] = sum(
+        pq.read_table(f, columns=["complete"]).column(0).to_pylist().count(True)
+        for f in staging.glob(f"evaluations/**/*{STAGED_SUFFIX}"))
+    totals["events_pending_in"] = (feather.read_table(pending_path, columns=["episode_id"]).num_rows
+                                   if pending_path else 0)
+    return {k: totals.get(_METRIC_FOR[k], 0) for k in COUNT_KEYS}, clock_s or 0.0
+
+
+def _compare_with_metrics(counts: dict[str, int], result) -> None:
+    """Log the counts the runner's committed metrics disagree on (absent metrics are no disagreement)."""
+    try:
+        metrics, _ = _counts(result)
+    except NotImplementedError:  # a runner without a metrics query
+        return
+    differ = {k: (metrics[k], counts[k]) for k in COUNT_KEYS if metrics[k] and metrics[k] != counts[k]}
+    if differ:
+        _LOG.warning("the runner's metrics differ from the counts staged with the files (metric, staged): %s; "
+                     "the manifest has the staged counts", differ)
 
 
 def _counts(result) -> tuple[dict[str, int], int]:
