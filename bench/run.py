@@ -3,6 +3,8 @@
 Writes ``bench/results/latest.json`` — one flat JSON object of named figures —
 and prints a readable table. Ratios compare two implementations measured in
 the same run on the same data, so the shared machine's noise mostly cancels.
+A full run replaces the file; a subset run replaces only its benchmarks' keys
+and keeps the others (each ratio is still measured within one benchmark).
 
 Usage::
 
@@ -196,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             ctx.close()
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "latest.json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    latest = RESULTS / "latest.json"
+    if args.names and latest.exists():  # a subset: the other benchmarks' figures stay
+        results = {**json.loads(latest.read_text()), **results}
+    latest.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     table = Table("figure", "value", title="trajpipe bench (bench/results/latest.json)")
     for key, value in sorted(results.items()):
         table.add_row(key, f"{value:,}" if isinstance(value, (int, float)) else str(value))
