@@ -29,11 +29,11 @@ $(WEED): pipelines/runtime/install_seaweedfs.sh
 	pipelines/runtime/install_seaweedfs.sh
 
 # Beam's Flink job server (Flink in local mode), assembled from Maven Central.
-$(FLINK_JS): pipelines/runtime/flink-job-server/pom.xml pipelines/runtime/install_flink_jobserver.sh
+$(FLINK_JS): pipelines/runtime/flink-job-server/pom.xml pipelines/runtime/install_flink_jobserver.sh pipelines/runtime/maven_lib.sh
 	pipelines/runtime/install_flink_jobserver.sh
 
 # A Flink 1.19 standalone session cluster's jars (JobManager + TaskManagers; pipelines/flink_cluster.py), ~15 s.
-$(FLINK_CLUSTER): pipelines/runtime/flink-cluster/pom.xml pipelines/runtime/install_flink_cluster.sh
+$(FLINK_CLUSTER): pipelines/runtime/flink-cluster/pom.xml pipelines/runtime/install_flink_cluster.sh pipelines/runtime/maven_lib.sh
 	pipelines/runtime/install_flink_cluster.sh
 
 # bubblewrap isolates sandboxed commands (rollout/sandbox/, docs/security.md); chromium renders the HTML report.

@@ -10,6 +10,16 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 __all__ = ["consume_messages", "free_port", "produce_messages"]
 
 
+def topic_env(topic: str, spool, *, partitions: int = 2) -> dict[str, str]:
+    """The environment of a ``trajpipe`` subprocess on its own topics (events, ``.ctl``, ``.dl``) and spool dir."""
+    import os
+    from pathlib import Path
+
+    return {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "TRAJPIPE_TOPICS__EVENTS": topic,
+            "TRAJPIPE_TOPICS__CONTROL": f"{topic}.ctl", "TRAJPIPE_TOPICS__DEAD_LETTERS": f"{topic}.dl",
+            "TRAJPIPE_TOPICS__PARTITIONS": str(partitions), "TRAJPIPE_SPOOL_DIR": str(spool)}
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free on ``host`` right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

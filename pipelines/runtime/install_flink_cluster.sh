@@ -22,14 +22,9 @@ STAMP="$DEST/.done"
 if [[ -f "$STAMP" && "$STAMP" -nt "$POM" ]] && compgen -G "$DEST/lib/flink-runtime-*.jar" >/dev/null; then
   exit 0
 fi
-for tool in mvn java; do
-  command -v "$tool" >/dev/null || { echo "install_flink_cluster: \`$tool\` not found; install a JDK (11+) and Maven" >&2; exit 1; }
-done
-
-rm -rf "$DEST.tmp"
-mkdir -p "$DEST.tmp/lib"
-mvn -q -B -f "$POM" dependency:copy-dependencies \
-  -DoutputDirectory="$DEST.tmp/lib" -DincludeScope=runtime
+source "$ROOT/pipelines/runtime/maven_lib.sh"
+need_jdk_and_maven install_flink_cluster mvn java
+maven_copy_deps "$POM" "$DEST.tmp"
 # The entry points must be on this classpath, or the cluster would fail only at start.
 for cls in org/apache/flink/runtime/entrypoint/StandaloneSessionClusterEntrypoint \
            org/apache/flink/runtime/taskexecutor/TaskManagerRunner; do

@@ -21,14 +21,9 @@ MAIN_CLASS="org.apache.beam.runners.flink.FlinkJobServerDriver"
 if [[ -f "$STAMP" && -f "$JAR" && "$STAMP" -nt "$POM" ]]; then
   exit 0
 fi
-for tool in mvn jar; do
-  command -v "$tool" >/dev/null || { echo "install_flink_jobserver: \`$tool\` not found; install a JDK (11+) and Maven" >&2; exit 1; }
-done
-
-rm -rf "$DEST.tmp"
-mkdir -p "$DEST.tmp/lib"
-mvn -q -B -f "$POM" dependency:copy-dependencies \
-  -DoutputDirectory="$DEST.tmp/lib" -DincludeScope=runtime
+source "$ROOT/pipelines/runtime/maven_lib.sh"
+need_jdk_and_maven install_flink_jobserver mvn jar
+maven_copy_deps "$POM" "$DEST.tmp"
 
 # Manifest lines are limited to 72 bytes; a continuation line starts with one space.
 (

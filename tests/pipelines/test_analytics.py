@@ -27,7 +27,7 @@ import pytest
 from pipelines.catalog import ALL_VERSIONS, CatalogError, open_catalog
 from pipelines.commit import DatasetManifest
 from pipelines.reports import LONG_CONTEXT_TOKENS, REPORTS, run_report
-from tests.helpers import produce_messages
+from tests.helpers import produce_messages, topic_env
 
 # ~2 min on an idle machine (eight `trajpipe` processes build the data); generous under load
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1800)]
@@ -56,9 +56,7 @@ def real(kafka_broker, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("analytics")
     topic = f"analytics-{os.getpid()}"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TRAJPIPE_TOPICS__EVENTS": topic,
-           "TRAJPIPE_TOPICS__CONTROL": f"{topic}.ctl", "TRAJPIPE_TOPICS__DEAD_LETTERS": f"{topic}.dl",
-           "TRAJPIPE_TOPICS__PARTITIONS": "2", "TRAJPIPE_SPOOL_DIR": str(tmp / "spool")}
+    env = topic_env(topic, tmp / "spool")
     b = kafka_broker.bootstrap
     tiny = init_tiny_model(tmp / "tiny", seed=0)
     rollout = ["rollout", "--bootstrap", b, "--policy", "scripted", "--model", tiny, "--domains", DOMAINS,

@@ -13,7 +13,6 @@ they reconcile (in = used + incomplete + pending + dead letters + duplicates
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from pipelines.recipes import load_recipe
 from pipelines.trajectory_job import COUNT_KEYS, run_batch
 from streams.config import KafkaConnection
 from streams.consumer import end_offsets
-from tests.helpers import consume_messages, produce_messages
+from tests.helpers import consume_messages, produce_messages, topic_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -48,9 +47,7 @@ def _rollouts(tmp: Path, bootstrap: str, topic: str, episodes: int) -> dict:
     from rollout.model import init_tiny_model
 
     tiny = init_tiny_model(tmp / "tiny", seed=0)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TRAJPIPE_TOPICS__EVENTS": topic,
-           "TRAJPIPE_TOPICS__CONTROL": f"{topic}.ctl", "TRAJPIPE_TOPICS__DEAD_LETTERS": f"{topic}.dl",
-           "TRAJPIPE_TOPICS__PARTITIONS": "2", "TRAJPIPE_SPOOL_DIR": str(tmp / "spool")}
+    env = topic_env(topic, tmp / "spool")
     proc = subprocess.run(
         [sys.executable, "-m", "trajpipe", "rollout", "--bootstrap", bootstrap, "--policy", "scripted", "--model",
          str(tiny), "--domains", "code,math,docqa,tools", "--concurrency", "4", "--no-follow-policies",

@@ -26,7 +26,7 @@ from polars.testing import assert_frame_equal
 
 from pipelines.flink_cluster import FlinkCluster, start_cluster, stop_cluster
 from pipelines.runners import RunnerConfigError, flink_cluster_master, runner_options
-from tests.helpers import free_port, produce_messages
+from tests.helpers import free_port, produce_messages, topic_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,9 +99,7 @@ def test_trajectory_job_on_session_cluster_same_rows_as_fnapi(kafka_broker, clus
     from rollout.model import init_tiny_model
 
     topic = f"flink-cluster-{os.getpid()}"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TRAJPIPE_TOPICS__EVENTS": topic,
-           "TRAJPIPE_TOPICS__CONTROL": f"{topic}.ctl", "TRAJPIPE_TOPICS__DEAD_LETTERS": f"{topic}.dl",
-           "TRAJPIPE_TOPICS__PARTITIONS": "2", "TRAJPIPE_SPOOL_DIR": str(tmp_path / "spool")}
+    env = topic_env(topic, tmp_path / "spool")
     b = kafka_broker.bootstrap
     tiny = init_tiny_model(tmp_path / "tiny", seed=0)
     made = _ok(_trajpipe(env, "rollout", "--bootstrap", b, "--policy", "scripted", "--model", tiny,
