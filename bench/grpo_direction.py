@@ -29,15 +29,6 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _deep(a: dict, b: dict) -> dict:
-    for k, v in b.items():
-        if isinstance(v, dict):
-            _deep(a.setdefault(k, {}), v)
-        else:
-            a[k] = v
-    return a
-
-
 def score(data: Path, model: Path, version: int) -> dict:
     """Mean log-prob of the version's positive/negative-advantage tokens under ``model``, and ``sum A log pi``."""
     from trainer.audit import _scored_batches
@@ -61,6 +52,7 @@ def score(data: Path, model: Path, version: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from bench.learning import evaluate_policy
     from bench.run import BenchContext
+    from trainer.config import deep_merge
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, required=True)
@@ -83,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report("start", args.model)
         for name, overrides in json.loads(args.variants).items():
-            cfg = _deep(yaml.safe_load((REPO / "trainer/configs/grpo-loop.yaml").read_text()), overrides)
+            cfg = deep_merge(yaml.safe_load((REPO / "trainer/configs/grpo-loop.yaml").read_text()), overrides)
             run = args.out / name
             run.mkdir(parents=True, exist_ok=True)
             (run / "config.yaml").write_text(yaml.safe_dump(cfg))

@@ -217,10 +217,15 @@ class TrainConfig(_Strict):
         return self
 
 
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` merged into a copy of ``base``, nested mappings key by key (a config and its overrides).
+
+    >>> deep_merge({"a": {"b": 1, "c": 2}}, {"a": {"c": 3}})
+    {'a': {'b': 1, 'c': 3}}
+    """
     out = dict(base)
     for k, v in over.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -253,7 +258,7 @@ def load_train_config(path: str | Path | None = None, **overrides: Any) -> Train
             cur[p] = {}
             cur = cur[p]
         cur[parts[-1]] = value
-        doc = _deep_merge(doc, node)
+        doc = deep_merge(doc, node)
     try:
         return TrainConfig.model_validate(doc)
     except ValidationError as err:

@@ -73,7 +73,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from streams.config import ConfigError
-from trainer.config import describe_validation_error
+from trainer.config import deep_merge, describe_validation_error
 from trajpipe.lifeline import lifeline_env
 
 __all__ = ["LoopConfig", "LoopConfigError", "load_loop_config", "run_loop", "summarize", "LoopPaths"]
@@ -503,8 +503,8 @@ class Loop:
             raise LoopConfigError(f"`trainer.config` {src}: {' '.join(str(err).split())}") from None
         if not isinstance(base, dict):
             raise LoopConfigError(f"`trainer.config` {src} is not a mapping of training settings")
-        doc = _deep_merge(base, self.cfg.trainer.overrides)
-        doc = _deep_merge(doc, {
+        doc = deep_merge(base, self.cfg.trainer.overrides)
+        doc = deep_merge(doc, {
             "mode": "online", "max_steps": 1_000_000_000,
             "publish": {"every": self.cfg.trainer.publish_every, "lineage": self.state["lineage"]},
             # A checkpoint at every publish: a trainer stopped or killed resumes at its last published version.
@@ -989,13 +989,6 @@ def _tail(path: Path) -> str:
         return ""
     lines = [ln for ln in lines if ln and not ln.startswith("====")]
     return lines[-1][:300] if lines else ""
-
-
-def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 def _flatten(doc: dict[str, Any], prefix: str = "") -> dict[str, Any]:
