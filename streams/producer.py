@@ -69,6 +69,7 @@ Examples:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import logging
@@ -113,6 +114,8 @@ _FRAME = struct.Struct(">II")
 _SPOOL_BUFFER = 1 << 20
 #: Replay waits for acks every this many records, so memory stays bounded.
 _REPLAY_CHUNK = 20_000
+# In-flight sends are reaped (acked ones counted, completed ones dropped) once this many are waiting.
+_REAP_AT = 512
 #: One spool record: (key, value, headers).
 _RECORD = msgspec.msgpack.Decoder(tuple[bytes | None, bytes, list[tuple[str, bytes]]])
 
@@ -468,6 +471,9 @@ class EventProducer:
         spool_path.mkdir(parents=True, exist_ok=True)
         self._spool = _Spool(spool_path / _spool_name(topic))
         self._lock = threading.RLock()
+        # Sends not yet seen complete, in emit order: (future, key, value, headers). See `_send`.
+        self._inflight: collections.deque[Any] = collections.deque()
+        self._reap_lock = threading.Lock()
         self._headers: dict[tuple[str, int], list[Header]] = {}
         self._sent = 0
         self._replayed = 0
@@ -609,6 +615,15 @@ class EventProducer:
     # -- hot path ------------------------------------------------------------
 
     def _send(self, key: bytes | None, value: bytes, headers: list[Header]) -> None:
+        """Hand one record to kafka-python; a failure spools it from its errback.
+
+        Acks are not counted with a per-record callback: that is a Python call per record on
+        kafka-python's sender thread, competing with ``emit`` for the GIL. The record's future
+        goes on ``_inflight`` instead and :meth:`_reap` counts the completed ones from the left
+        (here once ``_REAP_AT`` are waiting, in :meth:`flush` all of them). Failures keep their
+        errback: it fires on the sender thread as soon as the send fails, so the switch to the
+        spool does not wait for the next reap or flush.
+        """
         producer = self._producer
         if self._degraded or producer is None:
             self._emit_degraded(key, value, headers)
@@ -624,12 +639,41 @@ class EventProducer:
         except kafka_errors.IllegalStateError:  # closed by another thread switching to the spool
             self._emit_degraded(key, value, headers)
             return
-        future.add_callback(self._on_ack).add_errback(self._on_error, key, value, headers)
+        future.add_errback(self._on_error, key, value, headers)
+        inflight = self._inflight
+        inflight.append(future)
+        if len(inflight) >= _REAP_AT and self._reap_lock.acquire(blocking=False):
+            try:
+                self._reap()
+            finally:
+                self._reap_lock.release()
 
-    # -- callbacks (kafka-python's sender thread) ----------------------------
+    def _reap(self) -> None:
+        """Drop completed sends from the left of ``_inflight``, counting the acked ones (``sent``).
 
-    def _on_ack(self, _metadata: Any) -> None:
-        self._sent += 1
+        Stops at the first send not yet done. Failed ones were spooled by their errback.
+        Callers hold ``_reap_lock``.
+        """
+        inflight = self._inflight
+        while inflight:
+            future = inflight[0]
+            if not future.is_done:
+                return
+            if future.exception is None:
+                self._sent += 1
+            inflight.popleft()
+
+    def _reap_all(self) -> None:
+        """After kafka-python's flush or close: count every completed send; forget the rest.
+
+        A send still not done after the client closed never completes through this producer;
+        its errback, if kafka-python fails it later, spools it.
+        """
+        with self._reap_lock:
+            self._reap()
+            self._inflight.clear()
+
+    # -- callbacks (kafka-python's sender thread) --------------------------------------------------------------
 
     def _on_error(self, key: bytes | None, value: bytes, headers: list[Header], err: BaseException) -> None:
         self._send_errors += 1
@@ -661,6 +705,7 @@ class EventProducer:
     def _flush_locked(self) -> None:
         if self._producer is not None and not self._spooling:
             self._producer.flush()
+            self._reap_all()
             if self._degraded:
                 self._drain_and_spool("send failed")
         if self._spooling:
@@ -672,6 +717,7 @@ class EventProducer:
         if self._producer is not None:
             self._producer.flush()
             self._close_kafka()
+        self._reap_all()
         self._enter_spooling(why)
 
     def _close_kafka(self) -> None:
