@@ -338,7 +338,7 @@ def open_catalog(
     archive: Path | str | None = None,
     runs: Sequence[Path | str] = (),
     version: str | None = None,
-    as_of: int | None = None,
+    as_of: int | datetime | None = None,
 ) -> Catalog:
     """Read the manifests and pin every table to a snapshot.
 
@@ -349,7 +349,8 @@ def open_catalog(
             ``policies/v*/policy.json`` make the ``policies`` view.
         version: dataset version ``<recipe>-<hash8>`` (or just the recipe name when one version has it);
             ``all`` for every version side by side; None: the version committed most recently.
-        as_of: show the version as of this commit (1-based); None: its newest complete commit.
+        as_of: show the version as of this commit (1-based), or as of this time (its newest
+            commit made at or before it: time travel); None: its newest complete commit.
 
     Returns:
         The catalog.
@@ -379,6 +380,8 @@ def open_catalog(
             raise CatalogError(f"{data} holds no dataset (no _manifests/ and no tables); it holds "
                                f"{_what_is_there(data)}; write one with `trajpipe pipeline run --out {data}`")
         cat.version = _select_version(versions, version, as_of)
+        if isinstance(as_of, datetime):
+            cat.as_of = as_of = _commit_at(versions[cat.version], cat.version, as_of)
         shown = list(versions) if cat.version == ALL_VERSIONS else [cat.version] if cat.version else []
         cat.tables.update(_version_tables(data, {v: versions[v][:as_of] for v in shown},
                                           one=None if cat.version == ALL_VERSIONS else cat.version))
@@ -422,7 +425,18 @@ def _version_tables(data: Path, shown: dict[str, list[DatasetManifest]], *, one:
                           schema_files=tuple(firsts[t])) for t, files in named.items()}
 
 
-def _select_version(versions: dict[str, list[DatasetManifest]], version: str | None, as_of: int | None) -> str | None:
+def _commit_at(manifests: list[DatasetManifest], version: str, when: datetime) -> int:
+    """The newest commit of ``version`` made at or before ``when`` (naive times are UTC)."""
+    when = when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)
+    made = [m.commit for m in manifests if m.created_at <= when]
+    if not made:
+        first = manifests[0].created_at.isoformat() if manifests else "never"
+        raise CatalogError(f"{version} has no commit at or before {when.isoformat()}; its first was made {first}")
+    return made[-1]
+
+
+def _select_version(versions: dict[str, list[DatasetManifest]], version: str | None,
+                    as_of: int | datetime | None) -> str | None:
     names = ", ".join(f"{v} ({len(ms)} commits)" for v, ms in versions.items()) or "none"
     if version == ALL_VERSIONS:
         if as_of is not None:
@@ -437,7 +451,9 @@ def _select_version(versions: dict[str, list[DatasetManifest]], version: str | N
     elif versions:
         committed = {v: ms[-1].created_at for v, ms in versions.items() if ms}
         version = max(committed, key=committed.get) if committed else next(iter(versions))
-    if version is not None and as_of is not None and not 1 <= as_of <= len(versions[version]):
+    if version is None and isinstance(as_of, datetime):
+        raise CatalogError("--as-of needs a dataset; this root holds no committed version")
+    if version is not None and isinstance(as_of, int) and not 1 <= as_of <= len(versions[version]):
         raise CatalogError(f"commit {as_of} of {version} does not exist; its commits are "
                            f"1..{len(versions[version])}" if versions[version] else f"{version} has no complete commit")
     return version

@@ -24,12 +24,15 @@ Commit ``n`` (driver side, after the Beam job has written ``_staging/V/<n>/``):
    event-time clock and the state files;
 3. rename every staged file into place (``os.replace``), then drop the
    staging directory, older pending files, late-state files the manifest
-   no longer names (and older held-group state when the commit wrote its own).
+   no longer names (and older held-group state when the commit wrote its own);
+4. add the commit's data files to the Delta tables, one transaction per table
+   carrying the batch id (:mod:`pipelines.delta_tables`).
 
 :func:`recover` runs before every job: a staging directory whose manifest
 exists is rolled forward (step 3 redone; idempotent), one without is rolled
-back (deleted). A crash anywhere plus a rerun therefore yields the same
-dataset, and a rerun of covered input adds nothing.
+back (deleted), and every Delta table is brought up to the last manifest
+(:func:`pipelines.delta_tables.roll_forward`). A crash anywhere plus a rerun
+therefore yields the same dataset, and a rerun of covered input adds nothing.
 
 Examples:
     >>> m = DatasetManifest(commit=1, version="outcome-0a1b2c3d", recipe_hash="0a1b", source="archive")
@@ -56,6 +59,7 @@ import pyarrow.dataset as pads
 import pyarrow.feather as feather
 import pyarrow.parquet as pq
 
+from pipelines import delta_tables
 from pipelines.groups import GroupState, HeldPart, HeldState
 from pipelines.late import LATE_STATE_FILE, LateState, late_state_index, late_state_newest_s
 from pipelines.normalize import NormState, RunningStats, load_norm_state
@@ -265,11 +269,21 @@ def _roll_forward(layout: DatasetLayout, manifest: DatasetManifest) -> int:
 
 
 def recover(layout: DatasetLayout) -> dict[str, int]:
-    """Finish or undo interrupted commits of a version; ``{"rolled_forward": .., "rolled_back": ..}``."""
+    """Finish or undo interrupted commits of a version.
+
+    Returns:
+        ``{"rolled_forward": .., "rolled_back": .., "delta_rolled_forward": ..}``: staging
+        directories finished and deleted, and Delta table transactions made up.
+    """
     manifests = {m.commit: m for m in read_manifests(layout)}
-    fixed = {"rolled_forward": 0, "rolled_back": 0}
-    if not layout.staging_root.exists():
-        return fixed
+    fixed = {"rolled_forward": 0, "rolled_back": 0, "delta_rolled_forward": 0}
+    if layout.staging_root.exists():
+        _recover_staging(layout, manifests, fixed)
+    fixed["delta_rolled_forward"] = delta_tables.roll_forward(layout.root, manifests.values())
+    return fixed
+
+
+def _recover_staging(layout: DatasetLayout, manifests: dict[int, DatasetManifest], fixed: dict[str, int]) -> None:
     for d in sorted(layout.staging_root.iterdir()):
         n = int(d.name) if d.name.isdigit() else None
         if n is not None and n in manifests:
@@ -280,7 +294,6 @@ def recover(layout: DatasetLayout) -> dict[str, int]:
             _LOG.warning("rolling back uncommitted staging directory %s", d)
             shutil.rmtree(d)
             fixed["rolled_back"] += 1
-    return fixed
 
 
 def commit_staged(
@@ -299,8 +312,9 @@ def commit_staged(
             staged late-state file is added to ``late_state`` (which holds the
             files carried over: :func:`carry_late_state`).
         prior_norm: persisted statistics before this run.
-        crash_at: test hook simulating a crash: ``before_manifest`` or
-            ``after_manifest`` (manifest written, one file renamed).
+        crash_at: test hook simulating a crash: ``before_manifest``,
+            ``after_manifest`` (manifest written, one file renamed) or
+            ``before_delta`` (files in place, no Delta transaction made).
 
     Returns:
         The manifest as written.
@@ -363,6 +377,9 @@ def commit_staged(
         os.replace(layout.root / first.staged, layout.root / first.path)
         raise CommitError(f"simulated crash after the manifest of commit {n}")
     _roll_forward(layout, manifest)
+    if crash_at == "before_delta":
+        raise CommitError(f"simulated crash before the Delta transactions of commit {n}")
+    delta_tables.publish_commit(layout.root, manifest)
     return manifest
 
 
@@ -372,17 +389,23 @@ def load_prior_norm(layout: DatasetLayout) -> NormState:
 
 
 @contextlib.contextmanager
-def commit_lock(layout: DatasetLayout) -> Iterator[None]:
+def commit_lock(layout: DatasetLayout, *, waiting: Callable[[], None] | None = None) -> Iterator[None]:
     """Hold the version's commit lock (``flock`` on ``_state/<V>/commit.lock``).
 
-    Serializes writers of one version (the streaming job's per-window commits
-    may run in parallel bundles); ``--out`` must support ``flock`` across the
-    writing hosts (local disks do; NFS only with lock support).
+    Serializes writers of one version (batch runs, and the streaming job's per-window commits,
+    which may run in parallel bundles); ``--out`` must support ``flock`` across the writing
+    hosts (local disks do; NFS only with lock support). ``waiting`` is called once if the lock
+    is held by another writer, before blocking on it.
     """
     path = layout.root / "_state" / layout.version / "commit.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting is not None:
+                waiting()
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield
         finally:

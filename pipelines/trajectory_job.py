@@ -90,6 +90,7 @@ from pipelines.commit import (
     DatasetLayout,
     DatasetManifest,
     carry_late_state,
+    commit_lock,
     commit_staged,
     covered_offsets,
     latest_pending_file,
@@ -323,7 +324,25 @@ class _ReadPendingFn(beam.DoFn):
         yield from frags
 
 
-def run_batch(
+def run_batch(*, out: str | Path, recipe: Recipe, **kwargs: Any) -> dict[str, int]:
+    """One micro-batch of ``recipe``'s version, holding the version's commit lock throughout.
+
+    Two runs on one dataset version at once (two terminals, two hosts on a shared ``--out``)
+    would otherwise both build on commit ``n``: the second's ``recover`` would delete the
+    first's staging directory, and both would write manifest ``n + 1``. With the lock
+    (:func:`pipelines.commit.commit_lock`, ``flock``; released by the kernel if the holder
+    dies) the second waits -- a log line says so -- then recovers, reads only the input the
+    first left uncovered and commits that: disjoint work, nothing lost, nothing twice. Runs of
+    different versions do not wait for each other; their Delta transactions on the shared
+    tables are resolved by delta-rs' optimistic concurrency. Arguments: :func:`_run_batch_locked`.
+    """
+    layout = DatasetLayout(out=str(out), version=recipe.version, recipe_hash=recipe.content_hash)
+    with commit_lock(layout, waiting=lambda: _LOG.warning(
+            "another run is committing %s in %s; waiting for its commit lock", recipe.version, out)):
+        return _run_batch_locked(out=out, recipe=recipe, **kwargs)
+
+
+def _run_batch_locked(
     *,
     out: str | Path,
     recipe: Recipe,
@@ -342,7 +361,7 @@ def run_batch(
     tokenizer: str | None = None,
     crash_at: str | None = None,
 ) -> dict[str, int]:
-    """One micro-batch: recover, read the uncovered input, run the pipeline, commit.
+    """One micro-batch: recover, read the uncovered input, run the pipeline, commit (under the lock: :func:`run_batch`).
 
     Args:
         out: dataset root.

@@ -36,6 +36,7 @@ from kafka.errors import KafkaError
 
 from schemas.arrow import events_to_table
 from schemas.codec import EventDecodeError, decode_event
+from schemas.delta import META_PREFIX, add_files, txn_version
 from schemas.events import SCHEMA_VERSION, Event
 from schemas.storage import atomic_write, fsync_dir
 from streams.config import KafkaConnection
@@ -53,6 +54,7 @@ __all__ = [
     "read_commits",
     "recover_archive",
     "write_commit",
+    "ARCHIVE_DELTA_APP",
     "Archiver",
 ]
 
@@ -111,6 +113,23 @@ class CommitManifest(msgspec.Struct, kw_only=True):
     dead_letters: int = 0
     schema_version: int = SCHEMA_VERSION
     created_at: datetime = msgspec.field(default_factory=lambda: datetime.now(timezone.utc))
+
+
+#: The Delta application-transaction id of the archive's commits (version = commit number).
+ARCHIVE_DELTA_APP = "trajpipe.archive"
+
+
+def _publish_delta(root: Path, manifest: CommitManifest, rows: Sequence[int] | None = None) -> int | None:
+    """Add one archive commit's files to the archive's Delta table (``<root>/_delta_log``); idempotent."""
+    if not manifest.files:
+        return None
+    if rows is None:
+        rows = [pq.ParquetFile(root / f).metadata.num_rows for f in manifest.files]
+    meta = {"commit": str(manifest.commit), "topic": manifest.topic, "events": str(manifest.events),
+            "dead_letters": str(manifest.dead_letters), "created_at": manifest.created_at.isoformat(),
+            "offsets": json.dumps({str(p): [r.start, r.end] for p, r in sorted(manifest.offsets.items())})}
+    return add_files(root, list(zip(manifest.files, rows)), app_id=ARCHIVE_DELTA_APP, version=manifest.commit,
+                     metadata={META_PREFIX + k: v for k, v in meta.items()})
 
 
 def bucket_of(episode_id: str, buckets: int) -> int:
@@ -183,13 +202,15 @@ def recover_archive(root: Path) -> int:
     """Finish or undo an interrupted commit; returns the number of files fixed.
 
     A commit whose manifest exists is rolled forward (its temporary files are
-    renamed into place); temporary files without a manifest are removed.
+    renamed into place, then added to the Delta table if they are not in it yet);
+    temporary files without a manifest are removed.
     """
     root = Path(root)
     if not (root / "_commits").exists():
         return 0
     fixed = 0
-    wanted = {f for c in read_commits(root) for f in c.files}
+    commits = read_commits(root)
+    wanted = {f for c in commits for f in c.files}
     for tmp in root.glob(f"bucket=*/*{_TMP_SUFFIX}"):
         final = tmp.with_name(tmp.name[: -len(".tmp")])
         rel = str(final.relative_to(root))
@@ -202,7 +223,17 @@ def recover_archive(root: Path) -> int:
         fixed += 1
     for stale in (root / "_commits").glob(".*.tmp"):
         stale.unlink()
-    return fixed
+    return fixed + _catch_up_delta(root, commits)
+
+
+def _catch_up_delta(root: Path, commits: Sequence[CommitManifest]) -> int:
+    """Add, in order, the commits the Delta table does not hold yet; how many were added."""
+    have, added = txn_version(root, ARCHIVE_DELTA_APP), 0
+    for c in commits:
+        if c.commit > have and _publish_delta(root, c) is not None:
+            log.warning("added archive commit %s to the Delta table (rolled forward)", c.commit)
+            added += 1
+    return added
 
 
 def write_commit(
@@ -217,7 +248,7 @@ def write_commit(
     dead_letters: int = 0,
     crash_before_manifest: bool = False,
 ) -> CommitManifest:
-    """Write one commit: data files (temporary names) → manifest (commit point) → rename.
+    """Write one commit: data files (temporary names) → manifest (commit point) → rename → Delta transaction.
 
     Args:
         root: archive directory.
@@ -233,7 +264,7 @@ def write_commit(
     by_bucket: dict[int, list[int]] = defaultdict(list)
     for i, ev in enumerate(events):
         by_bucket[bucket_of(ev.episode_id, buckets)].append(i)
-    files = []
+    files, rows = [], []
     for b in sorted(by_bucket):
         idx = sorted(by_bucket[b], key=lambda i: (events[i].episode_id, events[i].seq, positions[i]))
         table = events_to_table([events[i] for i in idx], [positions[i] for i in idx])
@@ -244,6 +275,7 @@ def write_commit(
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         files.append(rel)
+        rows.append(table.num_rows)
     if crash_before_manifest:
         raise ArchiveError(f"simulated crash before manifest of commit {commit}")
     manifest = CommitManifest(
@@ -254,6 +286,9 @@ def write_commit(
         os.replace(root / (rel + ".tmp"), root / rel)
     for d in {(root / rel).parent for rel in files}:
         fsync_dir(d)
+    if txn_version(root, ARCHIVE_DELTA_APP) < commit - 1:  # an earlier commit is missing from the table
+        _catch_up_delta(root, read_commits(root)[: commit - 1])
+    _publish_delta(root, manifest, rows)
     return manifest
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Sequence
@@ -30,9 +31,34 @@ class AnalyticsError(ValueError):
     """Wrong input to an analyst command; the message says what exists and how to fix it."""
 
 
+def parse_as_of(value: int | str | None) -> int | datetime | None:
+    """``--as-of``: a commit number from 1, or an ISO 8601 time.
+
+    Examples:
+        >>> parse_as_of("3"), parse_as_of("2026-12-02T10:15:00Z").isoformat()
+        (3, '2026-12-02T10:15:00+00:00')
+    """
+    if value is None or isinstance(value, int) and not isinstance(value, bool):
+        when = value
+    elif str(value).strip().isdigit():
+        when = int(str(value).strip())
+    else:
+        try:
+            when = datetime.fromisoformat(str(value).strip().replace("Z", "+00:00"))
+        except ValueError:
+            raise AnalyticsError(f"`--as-of` is a commit number from 1 or an ISO 8601 time "
+                                 f"(e.g. 2026-12-02T10:15:00Z), got {value!r}") from None
+    if isinstance(when, int) and when < 1:
+        raise AnalyticsError(f"`--as-of` is a commit number from 1, got {when}")
+    return when
+
+
 def open_for_cli(*, data: Path | None, archive: Path | None, runs: Sequence[Path] = (), version: str | None = None,
-                 as_of: int | None = None) -> Catalog:
-    """:func:`open_catalog` with command-line errors (flags named, what exists listed)."""
+                 as_of: int | str | None = None) -> Catalog:
+    """:func:`open_catalog` with command-line errors (flags named, what exists listed).
+
+    ``as_of``: a commit number, or an ISO 8601 time (``2026-12-02T10:15:00Z``; no zone: UTC).
+    """
     if data is None and archive is None:
         raise AnalyticsError("give `--data DIR` (a dataset root) and/or `--archive DIR` (an event archive)")
     for flag, path in (("--data", data), ("--archive", archive), *(("--runs", r) for r in runs)):
@@ -40,8 +66,7 @@ def open_for_cli(*, data: Path | None, archive: Path | None, runs: Sequence[Path
             parent = Path(path).parent
             there = ", ".join(sorted(p.name for p in parent.iterdir())[:12]) if parent.is_dir() else "nothing"
             raise AnalyticsError(f"`{flag}` {path} is not a directory; {parent} holds: {there}")
-    if as_of is not None and as_of < 1:
-        raise AnalyticsError(f"`--as-of` is a commit number from 1, got {as_of}")
+    as_of = parse_as_of(as_of)
     try:
         return open_catalog(data=data, archive=archive, runs=runs, version=version, as_of=as_of)
     except CatalogError as err:
@@ -127,7 +152,7 @@ def _emit(text: str, out: Path | None) -> None:
 
 
 def query_command(sql: str, *, data: Path | None, archive: Path | None, runs: Sequence[Path], version: str | None,
-                  as_of: int | None, fmt: str, out: Path | None) -> dict[str, Any] | None:
+                  as_of: int | str | None, fmt: str, out: Path | None) -> dict[str, Any] | None:
     """``trajpipe query``: returns counts when ``--out`` wrote a file."""
     if fmt not in FORMATS:
         raise AnalyticsError(f"`--format` {fmt!r} is not one of {', '.join(FORMATS)}")
@@ -139,7 +164,7 @@ def query_command(sql: str, *, data: Path | None, archive: Path | None, runs: Se
 
 
 def catalog_command(*, db: Path, data: Path | None, archive: Path | None, runs: Sequence[Path], version: str | None,
-                    as_of: int | None) -> dict[str, Any]:
+                    as_of: int | str | None) -> dict[str, Any]:
     """``trajpipe catalog``: write the DuckDB database file; returns its counts."""
     if db.is_dir():
         raise AnalyticsError(f"`--db` {db} is a directory; give a file path such as {db / 'catalog.duckdb'}")
@@ -150,7 +175,7 @@ def catalog_command(*, db: Path, data: Path | None, archive: Path | None, runs: 
 
 
 def report_command(name: str, *, data: Path | None, archive: Path | None, runs: Sequence[Path], version: str | None,
-                   as_of: int | None, fmt: str, out: Path | None) -> dict[str, Any] | None:
+                   as_of: int | str | None, fmt: str, out: Path | None) -> dict[str, Any] | None:
     """``trajpipe report list|html|NAME``: returns counts when a file was written."""
     if name == "list":
         table = pa.Table.from_pylist([{"report": r.name, "title": r.title} for r in REPORTS.values()]

@@ -926,7 +926,8 @@ RunsOpt = Annotated[Optional[list[Path]], typer.Option("--runs", help="training 
                                                        parser=_local_location, metavar="PATH")]
 VersionOpt = Annotated[Optional[str], typer.Option("--version", help="dataset version <recipe>-<hash8> (or recipe "
                                                    "name), `all` for every one; default: the newest committed")]
-AsOfOpt = Annotated[Optional[int], typer.Option("--as-of", help="the version as of this commit (default: newest)")]
+AsOfOpt = Annotated[Optional[str], typer.Option("--as-of", help="the version as of this commit number, or as of "
+                                                 "this ISO 8601 time, e.g. 2026-12-02T10:15:00Z (default: newest)")]
 FormatOpt = Annotated[str, typer.Option("--format", help="table, csv, json or parquet")]
 OutOpt = Annotated[Optional[Path], typer.Option("--out", help="write to this file instead of stdout",
                                                 parser=_local_location, metavar="PATH")]

@@ -17,15 +17,18 @@ import re
 import shutil
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import duckdb
 import msgspec
 import polars as pl
 import pytest
+from deltalake import DeltaTable
 
 from pipelines.catalog import ALL_VERSIONS, CatalogError, open_catalog
 from pipelines.commit import DatasetManifest
+from pipelines.delta_tables import app_id
 from pipelines.reports import LONG_CONTEXT_TOKENS, REPORTS, run_report
 from tests.helpers import produce_messages, topic_env
 
@@ -123,6 +126,16 @@ def test_catalog_views_snapshot_versions_and_polars(real):
     # as of commit 1: only the first micro-batch
     first = open_catalog(data=data, as_of=1)
     assert first.connect().sql("select count(*) from trajectories").fetchall()[0][0] == real["commits"][0]["episodes"]
+    # time travel: as of the moment commit 1 was made is commit 1; before any commit is an error naming the first
+    m1 = msgspec.json.decode((data / "_manifests" / outcome / "00000001.json").read_bytes(), type=DatasetManifest)
+    assert open_catalog(data=data, version=outcome, as_of=m1.created_at).as_of == 1
+    with pytest.raises(CatalogError, match="no commit at or before .* its first was made"):
+        open_catalog(data=data, version=outcome, as_of=m1.created_at - timedelta(seconds=1))
+    # the Delta tables hold the same rows as the manifests' files, one transaction per commit
+    delta = DeltaTable(str(data / "trajectories"))
+    assert delta.transaction_version(app_id(outcome)) == 2 and delta.transaction_version(app_id(shaped)) == 1
+    every = open_catalog(data=data, version=ALL_VERSIONS).connect().sql("select count(*) from trajectories")
+    assert delta.to_pyarrow_dataset().count_rows() == every.fetchall()[0][0]
     # versions: by recipe name, all side by side, unknown ones named
     assert open_catalog(data=data, version="verification_shaped").version == shaped
     both = open_catalog(data=data, version=ALL_VERSIONS).connect()
@@ -311,7 +324,9 @@ def test_query_catalog_and_report_commands(real):
     kw = dict(data=data, archive=None, runs=[], version=None, as_of=None, fmt="table", out=None)
     for change, needle in (({"data": archive}, "holds no dataset"),
                            ({"version": "nope"}, f"versions: {real['outcome']} (2 commits)"),
-                           ({"as_of": 9}, "its commits are 1..2"), ({"fmt": "xml"}, "table, csv, json, parquet"),
+                           ({"as_of": 9}, "its commits are 1..2"), ({"as_of": "yesterday"}, "an ISO 8601 time"),
+                           ({"as_of": "2020-01-01T00:00:00Z"}, "no commit at or before 2020-01-01T00:00:00+00:00"),
+                           ({"fmt": "xml"}, "table, csv, json, parquet"),
                            ({"fmt": "parquet"}, "give `--out FILE.parquet`")):
         with pytest.raises(AnalyticsError, match=re.escape(needle)):
             query_command("select 1", **{**kw, **change})

@@ -7,7 +7,10 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
+from deltalake import DeltaTable
+
 from pipelines.commit import CommitError
+from pipelines.delta_tables import app_id, delta_batches, table_versions_at
 from pipelines.polars_ref import compute_polars
 from pipelines.recipes import Recipe, load_recipe
 from pipelines.trajectory_job import JobError, run, run_batch
@@ -30,6 +33,17 @@ def _files(out: Path) -> dict[str, bytes]:
 
 def _sql(q: str):
     return duckdb.connect().sql(q).fetchall()
+
+
+def _delta_rows(out: Path, table: str, recipe: str):
+    """The rows of one recipe in a table's latest Delta snapshot, in key order."""
+    import pyarrow.compute as pc
+    import pyarrow.dataset as pads
+
+    rows = DeltaTable(str(out / table)).to_pyarrow_dataset().to_table(
+        filter=pc.starts_with(pads.field("recipe"), f"{recipe}-"))
+    keys = [("episode_id", "ascending")] + ([("step_index", "ascending")] if table == "steps" else [])
+    return rows.sort_by(keys).select(sorted(rows.column_names))
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +77,22 @@ def test_counts_and_rows(archive, first_run):
     assert steps == n_steps and recipes == 1
 
 
+def test_each_commit_is_one_delta_transaction_per_table_with_its_batch_id(first_run):
+    out, c = first_run
+    [version] = [p.name for p in (out / "_manifests").iterdir()]
+    for table in ("steps", "trajectories"):
+        dt = DeltaTable(str(out / table))
+        assert dt.transaction_version(app_id(version)) == 1
+        [batch] = delta_batches(out / table)
+        assert batch["batch_id"] == f"{version}/00000001" and batch["source"] == "archive"
+        assert batch["archive_commits"] == "[1, 2]" and '"steps": %d' % c["steps"] in batch["counts"]
+        glob = _sql(f"select count(*) from read_parquet('{out}/{table}/**/*.parquet', hive_partitioning=true)")
+        assert dt.to_pyarrow_dataset().count_rows() == glob[0][0] == (c["steps"] if table == "steps" else N)
+    assert table_versions_at(out, version, 1) == {"steps": 0, "trajectories": 0}
+    # the same rows through polars' Delta reader
+    assert pl.scan_delta(str(out / "trajectories")).select(pl.len()).collect().item() == N
+
+
 def test_domain_normalized_advantage_is_standardized(first_run):
     out, _ = first_run
     rows = _sql(f"select domain, avg(normalized_advantage), stddev_pop(normalized_advantage) "
@@ -93,9 +123,13 @@ def test_new_recipe_writes_a_second_version(archive, first_run, tmp_path):
                     f"group by recipe order by recipe")
     assert [v[0].split("-")[0] for v in versions] == ["outcome", "shaped"] and versions[0][1] == versions[1][1]
     assert len(list((out / "_manifests").iterdir())) == 2
+    # both versions append to the same Delta tables, each under its own application transaction
+    dt = DeltaTable(str(out / "steps"))
+    assert sorted(dt.transaction_version(app_id(p.name)) for p in (out / "_manifests").iterdir()) == [1, 1]
+    assert [b["version"].split("-")[0] for b in delta_batches(out / "steps")] == ["outcome", "shaped"]
 
 
-@pytest.mark.parametrize("crash_at", ["before_manifest", "after_manifest"])
+@pytest.mark.parametrize("crash_at", ["before_manifest", "after_manifest", "before_delta"])
 def test_crash_mid_commit_then_rerun_gives_the_same_dataset(archive, first_run, tmp_path, crash_at):
     root, _ = archive
     clean, _ = first_run
@@ -110,6 +144,9 @@ def test_crash_mid_commit_then_rerun_gives_the_same_dataset(archive, first_run, 
         if k.startswith(("steps/", "trajectories/")):
             assert pq.read_table(out / k).equals(pq.read_table(clean / k)), k
     assert not list(out.rglob("*.tmp"))
+    for table in ("steps", "trajectories"):  # one Delta transaction per table, rolled forward if it was missing
+        assert len(delta_batches(out / table)) == 1
+        assert _delta_rows(out, table, "outcome").equals(_delta_rows(clean, table, "outcome")), table
 
 
 def test_micro_batches_carry_unfinished_episodes(tmp_path):
@@ -263,3 +300,42 @@ def test_unkeyed_records_are_assembled_by_their_episode_id(tmp_path):
     assert (c["episodes"], c["dead_letters"], c["events_used"]) == (4, 1, len(values)) and _reconciles(c)
     assert _sql(f"select reason, source_offset from read_parquet('{out}/dead_letters/**/*.parquet')") == [
         ("bad_magic", len(values))]
+
+
+@pytest.mark.slow
+def test_concurrent_runs_commit_disjoint_work_once(archive, tmp_path):
+    """Three `trajpipe pipeline run` processes at once on one --out: two of one version, one of another.
+
+    The two of one version serialize on the version's commit lock (the second then finds the
+    input covered and commits nothing); the other version's Delta transactions land on the same
+    tables concurrently. Every episode is committed exactly once per version.
+    """
+    import os
+    import subprocess
+    import sys
+
+    root, _ = archive
+    out = tmp_path / "datasets"
+    shaped = tmp_path / "shaped.yaml"
+    shaped.write_text("# trajpipe pipeline run --source archive --archive A --out O --recipe shaped.yaml\n"
+                      "reward: verification_shaped\ngamma: 0.9\nverification_weight: 0.5\n")
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    base = [sys.executable, "-m", "trajpipe", "pipeline", "run", "--source", "archive", "--archive", str(root),
+            "--out", str(out)]
+    procs = [subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd in (base, base, [*base, "--recipe", str(shaped)])]
+    results = [(p.wait(timeout=600), *p.communicate()) for p in procs]
+    assert all(rc == 0 for rc, _, _ in results), [err[-2000:] for _, _, err in results]
+    import json
+    counts = [json.loads(o.strip().splitlines()[-1]) for _, o, _ in results]
+    assert sorted(c["episodes"] for c in counts[:2]) == [0, N] and counts[2]["episodes"] == N
+    waited = [e for _, _, e in results[:2] if "waiting for its commit lock" in e]
+    versions = sorted(p.name for p in (out / "_manifests").iterdir())
+    assert [len(list((out / "_manifests" / v).glob("*.json"))) for v in versions] == [1, 1], waited
+    rows = _sql(f"select recipe, count(*), count(distinct episode_id) from "
+                f"read_parquet('{out}/trajectories/**/*.parquet', hive_partitioning=true) group by recipe order by 1")
+    assert [r[1:] for r in rows] == [(N, N), (N, N)]
+    dt = DeltaTable(str(out / "trajectories"))
+    assert [dt.transaction_version(app_id(v)) for v in versions] == [1, 1]
+    assert dt.to_pyarrow_dataset().count_rows() == 2 * N and len(delta_batches(out / "trajectories")) == 2

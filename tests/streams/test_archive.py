@@ -56,6 +56,23 @@ def test_synth_then_archive_exact_counts(engine, request, topic_name, tmp_path, 
     again = json.loads(_cli("archive", "--bootstrap", broker.bootstrap, "--out", str(archive), "--until-end"))
     assert again == {"events": 0, "dead_letters": 0, "commits": 0}
     assert _count(archive) == (synth["events"], synth["events"])
+    _assert_delta_matches_manifests(archive)
+
+
+def _assert_delta_matches_manifests(archive: Path) -> None:
+    """The archive's Delta table holds each commit once (its transaction) and exactly the manifests' rows."""
+    import polars as pl
+    from deltalake import DeltaTable
+
+    from streams.archive import ARCHIVE_DELTA_APP
+
+    commits = [c for c in read_commits(archive) if c.files]
+    table = DeltaTable(str(archive))
+    assert table.transaction_version(ARCHIVE_DELTA_APP) == commits[-1].commit
+    assert [int(h["trajpipe.commit"]) for h in reversed(table.history()) if "trajpipe.commit" in h] == \
+        [c.commit for c in commits]
+    ids = pl.scan_delta(str(archive)).select("event_id").collect()["event_id"]
+    assert ids.len() == ids.n_unique() == sum(c.events for c in commits)
 
 
 def _produce(bootstrap: str, topic: str, episodes: int, seed: int, extra: list[bytes] = ()) -> int:
@@ -121,6 +138,7 @@ def test_crash_between_data_and_manifest_then_rerun(kafka_broker, topic_name, tm
     for (p1, _, e1), (p2, s2, _) in zip(spans, spans[1:]):
         if p1 == p2:
             assert e1 == s2
+    _assert_delta_matches_manifests(tmp_path / "archive")
 
 
 def test_recover_rolls_forward_a_committed_manifest(tmp_path):
@@ -135,6 +153,33 @@ def test_recover_rolls_forward_a_committed_manifest(tmp_path):
     final.rename(final.with_name(final.name + ".tmp"))  # as if the crash came after the manifest, before the rename
     assert recover_archive(root) == 1
     assert final.exists() and committed_files(root) == [final]
+
+
+def test_recover_adds_a_commit_missing_from_the_delta_table(tmp_path):
+    """A crash after the renames, before the Delta transaction: recovery adds the commit, once."""
+    import shutil
+
+    from deltalake import DeltaTable
+
+    from schemas.events import Feedback
+    from streams.archive import ARCHIVE_DELTA_APP, write_commit
+
+    root = tmp_path / "a"
+    (root / "_commits").mkdir(parents=True)
+    evs = [Feedback(event_id=f"f{i}", episode_id=f"e{i}", seq=0, producer_id="p", domain="d", task_id="t",
+                    source="s") for i in range(6)]
+    write_commit(root, commit=1, topic="t", buckets=4, events=evs[:3], positions=[(0, i) for i in range(3)],
+                 offsets={})
+    shutil.rmtree(root / "_delta_log")  # as if commit 1 had crashed before its transaction
+    assert recover_archive(root) == 1 and recover_archive(root) == 0
+    assert DeltaTable(str(root)).to_pyarrow_dataset().count_rows() == 3
+    # and if a writer skipped recovery, the next commit adds the missing one first, in order
+    shutil.rmtree(root / "_delta_log")
+    write_commit(root, commit=2, topic="t", buckets=4, events=evs[3:], positions=[(0, i) for i in range(3, 6)],
+                 offsets={})
+    table = DeltaTable(str(root))
+    assert table.to_pyarrow_dataset().count_rows() == 6 and table.transaction_version(ARCHIVE_DELTA_APP) == 2
+    assert [h["trajpipe.commit"] for h in reversed(table.history())] == ["1", "2"]
 
 
 @pytest.mark.integration

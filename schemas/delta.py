@@ -1,0 +1,143 @@
+"""Delta Lake transactions over Parquet files already in place (delta-rs, ``deltalake``).
+
+trajpipe's writers (the archiver, the dataset commit) put Parquet files into hive-partitioned
+directories (``k=v/...``) with their own commit protocols; this module makes each of their
+commits one Delta transaction on the directory, without copying or rewriting data:
+:func:`add_files` adds the files (``add`` actions with the partition values from their paths and
+``numRecords`` statistics), tagged with an **application transaction** (Delta's ``txn`` action:
+``app_id`` → ``version``) so a retry adds nothing, and with ``trajpipe.*`` commit metadata.
+
+Commits skip delta-rs' Parquet checkpoints (``PostCommitHookProperties(create_checkpoint=False)``):
+a checkpoint is a ``.parquet`` file in ``_delta_log/``, which the plain glob readers
+(``read_parquet('<dir>/**/*.parquet')``) would read as data. Snapshot readers replay the JSON log
+instead (one small file per commit).
+
+Concurrent writers append blind (no reads of the table's data), which Delta's optimistic
+concurrency resolves by retrying on the next log version; two writers creating the table at
+once: the loser appends to the winner's table.
+
+References: the Delta transaction protocol (``add``, ``txn``, ``commitInfo`` actions),
+https://github.com/delta-io/delta/blob/master/PROTOCOL.md; delta-rs
+``create_table_with_add_actions`` and ``DeltaTable.create_write_transaction``.
+
+Examples:
+    >>> partition_values("recipe=outcome-0a1b2c3d/domain=code/c00000007-s000.parquet")
+    {'recipe': 'outcome-0a1b2c3d', 'domain': 'code'}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from deltalake import CommitProperties, DeltaTable, PostCommitHookProperties, Schema, Transaction
+from deltalake.exceptions import DeltaError, TableNotFoundError
+from deltalake.transaction import AddAction, create_table_with_add_actions
+
+__all__ = ["DeltaCommitError", "META_PREFIX", "partition_values", "open_table", "txn_version", "add_files", "batches"]
+
+#: Prefix of trajpipe's keys in a Delta commit's metadata (``DeltaTable.history()``).
+META_PREFIX = "trajpipe."
+_HOOKS = PostCommitHookProperties(create_checkpoint=False, cleanup_expired_logs=False)
+
+
+class DeltaCommitError(RuntimeError):
+    """A Delta transaction could not be made (e.g. a schema the table does not accept); the message says which."""
+
+
+def partition_values(rel_path: str) -> dict[str, str]:
+    """The hive partition values of a file path relative to the table root (its ``k=v`` directories)."""
+    return dict(seg.split("=", 1) for seg in rel_path.split("/")[:-1] if "=" in seg)
+
+
+def open_table(table_root: Path | str) -> DeltaTable | None:
+    """The Delta table at ``table_root``, or None where there is none yet."""
+    if not (Path(table_root) / "_delta_log").is_dir():
+        return None
+    try:
+        return DeltaTable(str(table_root))
+    except TableNotFoundError:
+        return None
+
+
+def txn_version(table_root: Path | str, app_id: str) -> int:
+    """The application transaction version ``app_id`` has reached on the table (0: none yet, or no table)."""
+    dt = open_table(table_root)
+    return (dt.transaction_version(app_id) or 0) if dt is not None else 0
+
+
+def _schema(table_root: Path, first: str) -> tuple[Schema, list[str]]:
+    cols = list(partition_values(first))
+    file_schema = pq.read_schema(table_root / first)
+    fields = list(file_schema) + [pa.field(c, pa.string()) for c in cols if c not in file_schema.names]
+    return Schema.from_arrow(pa.schema(fields)), cols
+
+
+def add_files(table_root: Path | str, files: Sequence[tuple[str, int]], *, app_id: str, version: int,
+              metadata: Mapping[str, str]) -> int | None:
+    """Add Parquet files already under ``table_root`` to its Delta table in one transaction.
+
+    Args:
+        table_root: the table directory (created as a Delta table by the first call).
+        files: ``(path relative to table_root, rows)`` of each file; hive ``k=v`` directories
+            give the partition values (every file of a table has the same keys).
+        app_id: application transaction id.
+        version: its new version; a table already at ``>= version`` is left as is.
+        metadata: commit metadata (keys should start with :data:`META_PREFIX`).
+
+    Returns:
+        The table's new version, or None when the transaction was already made.
+
+    Raises:
+        DeltaCommitError: the table refused the transaction.
+    """
+    table_root = Path(table_root)
+    dt = open_table(table_root)
+    if dt is not None and (dt.transaction_version(app_id) or 0) >= version:
+        return None
+    schema, cols = _schema(table_root, files[0][0])
+    actions = []
+    for rel, rows in files:
+        st = os.stat(table_root / rel)
+        actions.append(AddAction(path=rel, size=st.st_size, partition_values=partition_values(rel),
+                                 modification_time=int(st.st_mtime * 1000), data_change=True,
+                                 stats=json.dumps({"numRecords": rows})))
+    props = CommitProperties(custom_metadata=dict(metadata),
+                             app_transactions=[Transaction(app_id=app_id, version=version)])
+    try:
+        if dt is None:
+            try:
+                create_table_with_add_actions(str(table_root), schema, actions, mode="error", partition_by=cols,
+                                              commit_properties=props, post_commithook_properties=_HOOKS)
+                return 0
+            except DeltaError:  # another writer created it first: append like any later commit
+                dt = open_table(table_root)
+                if dt is None:
+                    raise
+                if (dt.transaction_version(app_id) or 0) >= version:
+                    return None
+        dt.create_write_transaction(actions, mode="append", schema=schema, partition_by=cols,
+                                    commit_properties=props, post_commithook_properties=_HOOKS)
+    except DeltaError as err:
+        raise DeltaCommitError(f"cannot add {len(files)} files to the Delta table {table_root} "
+                               f"({app_id} version {version}): {err}") from err
+    return DeltaTable(str(table_root)).version()
+
+
+def batches(table_root: Path | str) -> list[dict[str, str | int]]:
+    """trajpipe's commits of a Delta table, oldest first: ``{"table_version": K, <metadata without prefix>...}``."""
+    dt = open_table(table_root)
+    if dt is None:
+        return []
+    out = []
+    for entry in dt.history():
+        if not any(k.startswith(META_PREFIX) for k in entry):
+            continue
+        row: dict[str, str | int] = {"table_version": int(entry["version"])}
+        row.update({k[len(META_PREFIX):]: v for k, v in entry.items() if k.startswith(META_PREFIX)})
+        out.append(row)
+    return sorted(out, key=lambda r: int(r["table_version"]))
