@@ -46,6 +46,8 @@ _IFREQ = "16sH14x"  # struct ifreq: name, ifr_flags, padding to 40 bytes
 
 #: How long :meth:`NetnsPool.take` waits for the pool thread when none is ready before falling back.
 _TAKE_WAIT_S = 0.5
+#: How long the constructor waits for the first namespace (it takes about a millisecond).
+_FIRST_WAIT_S = 10.0
 
 
 class Netns:
@@ -100,14 +102,16 @@ class NetnsPool:
         self._cond = threading.Condition()
         self._closed = False
         self.failure: str | None = None  # why the thread stopped making namespaces
-        first: list[Netns | BaseException] = []
+        first: list[Netns | Exception] = []
         self._thread = threading.Thread(target=self._run, args=(first,), name="sandbox-netns-pool", daemon=True)
         self._thread.start()
         with self._cond:
-            while not first:
-                self._cond.wait()
-        if isinstance(first[0], BaseException):
-            raise first[0]
+            if not self._cond.wait_for(lambda: first, timeout=_FIRST_WAIT_S):
+                self._closed = True
+                self._cond.notify_all()
+                raise OSError(f"no network namespace made within {_FIRST_WAIT_S:.0f} s")
+        if isinstance(first[0], Exception):
+            raise OSError(f"cannot make a network namespace: {first[0]}") from first[0]
         probe = first[0]
         same = os.stat(probe.path).st_ino == os.fstat(probe.fd).st_ino
         probe.close()
@@ -116,7 +120,12 @@ class NetnsPool:
             raise OSError(f"/proc/{os.getpid()}/fd does not show this process's fds (another pid namespace's /proc)")
 
     def _make(self, home: int) -> Netns:
-        """A new namespace with ``lo`` up; the calling (pool) thread is back in ``home`` afterwards."""
+        """A new namespace with ``lo`` up; the calling (pool) thread is back in ``home`` afterwards.
+
+        Raises:
+            OSError: the namespace could not be made or set up (the thread is back home), or the
+                thread could not go back home (it must then stop: :meth:`_run` does).
+        """
         _check(self._libc.unshare(_CLONE_NEWNET), "unshare(CLONE_NEWNET)")
         fd = None
         try:
@@ -125,30 +134,35 @@ class NetnsPool:
         except OSError:
             if fd is not None:
                 os.close(fd)
+                fd = None
             raise
         finally:
-            # never leave this thread in the new namespace; if we cannot go back, the thread stops
-            _check(self._libc.setns(home, _CLONE_NEWNET), "setns back to the worker's network namespace")
+            # never leave this thread in the new namespace; if it cannot go back, it stops making them
+            if self._libc.setns(home, _CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                if fd is not None:
+                    os.close(fd)
+                raise OSError(err, f"setns back to the worker's network namespace: {os.strerror(err)}")
         return Netns(fd)
 
     def _run(self, first: list) -> None:
+        home = None
         try:
             home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as err:
+            first_made = self._make(home)
+        except Exception as err:  # noqa: BLE001 - handed to the constructor, which raises it
             with self._cond:
                 first.append(err)
                 self._cond.notify_all()
+            if home is not None:
+                os.close(home)
             return
         try:
-            try:
-                made = self._make(home)
-            except OSError as err:
-                with self._cond:
-                    first.append(err)
-                    self._cond.notify_all()
-                return
             with self._cond:
-                first.append(made)
+                if self._closed:  # the constructor gave up waiting
+                    first_made.close()
+                    return
+                first.append(first_made)
                 self._cond.notify_all()
             while True:
                 with self._cond:

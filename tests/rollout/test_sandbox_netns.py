@@ -138,6 +138,22 @@ def test_a_forked_child_makes_its_own_pool(sandbox_root):
     assert netns_mod.netns_pool() is parent_pool  # the parent's pool goes on
 
 
+@pytest.mark.parametrize("error", [OSError(1, "unshare(CLONE_NEWNET): Operation not permitted"),
+                                   RuntimeError("a bug in the pool thread")])
+def test_a_pool_that_cannot_start_falls_back_to_bwraps_namespace(sandbox_root, monkeypatch, error):
+    def broken(self, home):
+        raise error
+
+    monkeypatch.setattr(netns_mod.NetnsPool, "_make", broken)
+    monkeypatch.setattr(netns_mod, "_pool", None)
+    monkeypatch.setattr(netns_mod, "_pool_error", None)
+    with Sandbox(sandbox_root, TEST_LIMITS) as sb:  # no hang, no error: bwrap makes the namespace
+        assert sb._netns_pool is None
+        assert str(error) in netns_mod.netns_unavailable_reason()
+        r = sb.run("cat /proc/net/dev")
+        assert r.exit_status == 0 and "lo:" in r.stdout, r
+
+
 def test_launch_argv_refuses_a_namespace_it_cannot_enter():
     tools = HostTools("/usr/bin/bwrap", "/usr/bin/prlimit", "/usr/sbin/chroot", None)
     with pytest.raises(ValueError, match="nsenter"):
