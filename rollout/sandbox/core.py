@@ -347,7 +347,7 @@ class Sandbox:
 
     def _spawn(self, argv_cmd: list[str], *, with_stdin: bool,
                netns: Netns | None) -> tuple[subprocess.Popen, int, int | None]:
-        """Start bwrap (behind chroot/prlimit) with nothing of the worker's: env, cwd, fds and argv are all ours."""
+        """Start bwrap (behind nsenter or chroot, and prlimit) with nothing of the worker's: env, cwd, fds, argv."""
         status_r, status_w = os.pipe()
         block_r, block_w = os.pipe() if self._cgroup is not None else (None, None)
         own = [status_w] + ([block_r] if block_r is not None else [])
