@@ -9,7 +9,8 @@ module                 job
 =====================  =====================================================
 ``core``               :class:`Sandbox`: wires the pieces below together
 ``argv``               bwrap arguments, environment, binds (what is visible)
-``launch``             the spawn: ``vfork``-able, ``chroot --userspec`` drops the uid
+``launch``             the spawn: ``vfork``-able, ``nsenter``/``chroot`` drops the uid
+``netns``              each run's network namespace, made ahead (worker as root)
 ``uids``               private uid per sandbox, subreaper, reaping
 ``cgroups``            per-sandbox cgroup v2 / v1 limits and event counters
 ``rlimits``            per-process rlimits (and the no-cgroup fallback)

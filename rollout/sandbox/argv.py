@@ -72,16 +72,19 @@ def _which(name: str) -> str | None:
 
 
 class HostTools(NamedTuple):
-    """Absolute paths of the host programs a sandbox run execs."""
+    """Absolute paths of the host programs a sandbox run execs (``nsenter`` None when it is not installed)."""
 
     bwrap: str
     prlimit: str
     chroot: str
+    nsenter: str | None = None
 
 
 @functools.cache
 def host_tools() -> HostTools:
-    """Absolute paths of ``bwrap``, ``prlimit`` and ``chroot`` (looked up once per process).
+    """Absolute paths of ``bwrap``, ``prlimit``, ``chroot`` and ``nsenter`` (looked up once per process).
+
+    ``nsenter`` (util-linux) is optional: without it bwrap makes each run's network namespace itself.
 
     Raises:
         SandboxUnavailable: one of them is not installed.
@@ -98,7 +101,9 @@ def host_tools() -> HostTools:
         if path is None:
             raise SandboxUnavailable(f"`{name}` ({package}) is not installed; install {package}")
         found[name] = os.path.realpath(path)
-    return HostTools(os.path.realpath(bwrap), found["prlimit"], found["chroot"])
+    nsenter = _which("nsenter")
+    return HostTools(os.path.realpath(bwrap), found["prlimit"], found["chroot"],
+                     os.path.realpath(nsenter) if nsenter else None)
 
 
 def sandbox_python() -> str:
@@ -151,6 +156,7 @@ def bwrap_args(
     extra_ro_binds: Sequence[str],
     status_fd: int,
     block_fd: int | None,
+    share_net: bool = False,
 ) -> list[str]:
     """bwrap's options for one run; they go into the ``--args`` memfd, not onto its argv.
 
@@ -165,8 +171,12 @@ def bwrap_args(
         status_fd: fd bwrap writes ``{"child-pid": N}`` and ``{"exit-code": N}`` to.
         block_fd: fd bwrap's pid 1 reads one byte from before it starts the
             command (the cgroup backends move it into the cgroup first), or None.
+        share_net: keep the network namespace bwrap is started in (a fresh one made
+            ahead, :mod:`rollout.sandbox.netns`) instead of making one.
     """
     args = list(static_bwrap_args())
+    if share_net:
+        args.insert(args.index("--unshare-all") + 1, "--share-net")
     if any(p == "/etc" or p.startswith("/etc/") for p in extra_ro_binds):
         # a bind inside /etc needs a mount point, which a read-only bound copy cannot get: bind file by file
         args += [a for path in ETC_FILES if os.path.exists(path) for a in ("--ro-bind", path, path)]

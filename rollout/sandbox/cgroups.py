@@ -103,7 +103,7 @@ class SandboxCgroup(Protocol):
         """Start the grace period the next :meth:`attach` would wait for (background, best effort)."""
 
     def attach(self, pid: int) -> None:
-        """Move process ``pid`` (bwrap's pid 1, blocked) into the cgroup."""
+        """Move process ``pid`` (bwrap's pid 1, blocked) into the cgroup, made again first if something removed it."""
 
     def counters(self) -> tuple[int, int]:
         """Cumulative (``oom_kill`` events, forks refused at ``pids.max``)."""
@@ -263,9 +263,16 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
+_own_tag: tuple[int, str] | None = None
+
+
 def _owner_tag() -> str:
+    """``<pid>-<start time>`` of this process (read once per process: a forked child has its own pid)."""
+    global _own_tag
     pid = os.getpid()
-    return f"{pid}-{_start_time(pid)}"
+    if _own_tag is None or _own_tag[0] != pid:
+        _own_tag = (pid, f"{pid}-{_start_time(pid)}")
+    return _own_tag[1]
 
 
 def _counter(path: Path, key: str) -> int:
@@ -372,8 +379,23 @@ class _Cgroup:
         warm_attach(self._support)
 
     def attach(self, pid: int) -> None:
+        # No existence check before every run (three stats on the start path): a write into a removed
+        # cgroup fails with ENOENT, and the cgroup is made again, with its limits, before the gate opens.
+        try:
+            self._attach(pid)
+        except FileNotFoundError:
+            self.ensure()
+            self._attach(pid)
+
+    def _attach(self, pid: int) -> None:
         for directory in self._dirs.values():
-            _write(directory / "cgroup.procs", str(pid))
+            path = directory / "cgroup.procs"
+            try:
+                path.write_text(str(pid))
+            except FileNotFoundError:
+                raise
+            except OSError as err:
+                raise SandboxError(f"cannot set {path} to {str(pid)!r}: {err}") from err
 
     def counters(self) -> tuple[int, int]:
         if self.kind == "cgroup2":
@@ -451,8 +473,8 @@ def reap_stale_cgroups(support: CgroupSupport) -> int:
             if len(parts) != 4 or parts[0] != "sb" or not entry.is_dir(follow_symlinks=False):
                 continue
             pid, start = parts[1], parts[2]
-            if pid.isdigit() and _start_time(int(pid)) == start:
-                continue  # owner alive
+            if f"{pid}-{start}" == _owner_tag() or (pid.isdigit() and _start_time(int(pid)) == start):
+                continue  # owner alive (this process's own, without reading /proc)
             if not _procs(Path(entry.path)) and _empty_and_remove(Path(entry.path), kill=False):
                 removed += 1
     return removed

@@ -10,11 +10,13 @@ mechanism and is documented and testable on its own:
 * :mod:`~rollout.sandbox.pump` - output bounds and the wall clock;
 * :mod:`~rollout.sandbox.verdict` - why a command stopped, from kernel facts;
 * :mod:`~rollout.sandbox.files` - host-side file I/O, manifests, snapshots;
-* :mod:`~rollout.sandbox.launch` - the spawn (``vfork``-able; ``chroot --userspec`` drops the uid).
+* :mod:`~rollout.sandbox.launch` - the spawn (``vfork``-able; ``chroot --userspec`` drops the uid);
+* :mod:`~rollout.sandbox.netns` - each run's network namespace, made ahead when the worker is root.
 
 One run::
 
-    [chroot --userspec=+U:+G --groups= --skip-chdir /]    (worker is root)
+    [nsenter --net=<made ahead> --setuid=U --setgid=G --]  (worker is root; else, without
+                                                            nsenter: chroot --userspec=+U:+G ...)
       prlimit --cpu --fsize --nofile --core [--data --nproc] --  (rlimits)
         bwrap --args <memfd> --                            (env: SANDBOX_ENV only)
               [--block-fd: pid 1 waits until it is in the sandbox cgroup]
@@ -40,6 +42,7 @@ from rollout.sandbox.errors import SandboxError, SandboxUnavailable
 from rollout.sandbox.files import SnapshotId, WorkDir, diff_manifests, has_file_of_size
 from rollout.sandbox.launch import launch_argv, start_bwrap
 from rollout.sandbox.limits import SandboxLimits
+from rollout.sandbox.netns import Netns, netns_pool
 from rollout.sandbox.pump import kill_group, pump, read_available, read_status_until
 from rollout.sandbox.results import CommandResult
 from rollout.sandbox.rlimits import prlimit_args
@@ -78,6 +81,10 @@ class Sandbox:
         pool_size: keep this many sandboxes' host state (directories, uid,
             cgroup) made ahead by a background thread, per (root, limits,
             cgroup hierarchy); 0 makes it here. Never reused: see :mod:`~rollout.sandbox.slots`.
+        prepared_netns: give each run a fresh network namespace made ahead by a
+            background thread (worker is root and util-linux ``nsenter`` is installed;
+            :mod:`~rollout.sandbox.netns`); False, or where that is not possible,
+            bwrap makes it during the start. Either way one new namespace per run.
 
     Attributes:
         limits_backend: the mechanism in force: ``cgroup2``, ``cgroup1`` or ``rlimit``.
@@ -103,6 +110,7 @@ class Sandbox:
         limits_backend: str = "auto",
         cgroup_parent: str | None = None,
         pool_size: int = 2,
+        prepared_netns: bool = True,
     ) -> None:
         if limits_backend not in LIMITS_BACKENDS:
             raise ValueError(f"`limits_backend` must be one of {', '.join(LIMITS_BACKENDS)}, got {limits_backend!r}")
@@ -133,7 +141,10 @@ class Sandbox:
         self.work, self._tmp = self._slot.work, self._slot.tmp
         self._cgroup: SandboxCgroup | None = self._slot.cgroup
         self.limits_backend = self._cgroup.kind if self._cgroup is not None else "rlimit"
-        self._counters = self._cgroup.counters() if self._cgroup is not None else (0, 0)
+        self._counters = self._slot.counters  # read when the slot was made; nothing has run in it since
+        self._netns_pool = None
+        if prepared_netns and os.geteuid() == 0 and self._tools.nsenter is not None:
+            self._netns_pool = netns_pool()
         self._files = WorkDir(self.work, self._slot.snapshots, uid=self.uid, gid=self.gid,
                               hash_bytes=self.limits.manifest_hash_bytes,
                               max_files=self.limits.max_manifest_files)
@@ -276,12 +287,21 @@ class Sandbox:
             raise ValueError(f"`timeout_s` must be > 0, got {timeout_s}")
         before = self.manifest() if track_files else None
         if self._cgroup is not None:
-            self._cgroup.ensure()
+            self._cgroup.warm()  # the attach's grace period elapses while bwrap starts and sets up its namespaces
         data_in = stdin.encode() if isinstance(stdin, str) else stdin
+        netns = self._netns_pool.take() if self._netns_pool is not None else None
+        try:
+            return self._run(argv_cmd, timeout=timeout, data_in=data_in, netns=netns,
+                             before=before, track_files=track_files, probe=_probe)
+        finally:
+            if netns is not None:
+                self._netns_pool.release(netns)  # every process in it is gone: the kernel frees it
+
+    def _run(self, argv_cmd: list[str], *, timeout: float, data_in: bytes | None, netns: Netns | None,
+             before: dict | None, track_files: bool, probe: bool) -> CommandResult:
+        """Spawn, admit into the cgroup, pump, reap and judge one command (``run`` checked the arguments)."""
         started = time.monotonic()
-        proc, status_r, block_w = self._spawn(argv_cmd, with_stdin=bool(data_in))
-        if self._cgroup is not None:
-            self._cgroup.warm()  # the attach's grace period elapses while bwrap sets up its namespaces
+        proc, status_r, block_w = self._spawn(argv_cmd, with_stdin=bool(data_in), netns=netns)
         # bwrap's outer process inherits our peak RSS: exec records the old (vforked: our) mm's high-water mark in the
         # new program's ru_maxrss. Read after the fork (a peak only grows), its own wait4 peak means something
         # only above this bound.
@@ -313,7 +333,7 @@ class Sandbox:
                        cpu_time_limit_s=self.limits.cpu_time_s,
                        memory_limit_bytes=self.limits.memory_bytes,
                        rlimit_memory=self._cgroup is None)
-        changed = diff_manifests(before, self.manifest()) if track_files and not _probe else {}
+        changed = diff_manifests(before, self.manifest()) if track_files and not probe else {}
         return CommandResult(
             exit_status=exit_status,
             stdout=pumped.stdout,
@@ -325,15 +345,17 @@ class Sandbox:
             files_changed=changed,
         )
 
-    def _spawn(self, argv_cmd: list[str], *, with_stdin: bool) -> tuple[subprocess.Popen, int, int | None]:
-        """Start bwrap (behind chroot/prlimit) with nothing of the worker's: env, cwd, fds and argv are all ours."""
+    def _spawn(self, argv_cmd: list[str], *, with_stdin: bool,
+               netns: Netns | None) -> tuple[subprocess.Popen, int, int | None]:
+        """Start bwrap (behind nsenter or chroot, and prlimit) with nothing of the worker's: env, cwd, fds, argv."""
         status_r, status_w = os.pipe()
         block_r, block_w = os.pipe() if self._cgroup is not None else (None, None)
         own = [status_w] + ([block_r] if block_r is not None else [])
         try:
             memfd = args_memfd(bwrap_args(work=self.work, tmp=self._tmp,
                                           extra_ro_binds=self._extra_ro_binds,
-                                          status_fd=status_w, block_fd=block_r))
+                                          status_fd=status_w, block_fd=block_r,
+                                          share_net=netns is not None))
         except OSError as err:
             for fd in (status_r, block_w, *own):
                 if fd is not None:
@@ -345,7 +367,7 @@ class Sandbox:
             nproc = self.limits.max_processes + (0 if self._lease.private else uid_process_count(self.uid))
         argv = launch_argv(self._tools, drop_to=(self.uid, self.gid) if os.geteuid() == 0 else None,
                            prlimit_opts=prlimit_args(self.limits, fallback_nproc=nproc),
-                           memfd=memfd, cmd=argv_cmd)
+                           memfd=memfd, cmd=argv_cmd, netns=netns.path if netns is not None else None)
         try:
             proc = start_bwrap(argv, with_stdin=with_stdin, pass_fds=own)
         except OSError as err:

@@ -19,6 +19,13 @@ libcap-ng and looks the numeric ids up through NSS first.) ::
       prlimit --cpu .. --                                (rlimits, :mod:`rollout.sandbox.rlimits`)
         bwrap --args <memfd> -- <command>
 
+When the run's network namespace was made ahead (:mod:`rollout.sandbox.netns`),
+util-linux ``nsenter --net=/proc/<worker>/fd/<fd> --setuid=U --setgid=G --``
+takes ``chroot``'s place: ``setns`` into that namespace (still as root, which
+``setns`` needs), then ``setgroups(0)``, ``setgid(G)``, ``setuid(U)`` and exec,
+the same identity ``chroot --userspec`` gives (``test_command_has_only_the_sandbox_identity``).
+The chain stays three programs long; bwrap then keeps the namespace (``--share-net``).
+
 (``prlimit(2)`` on bwrap's pid 1 at its start gate would save the ``prlimit``
 exec, but it needs ``CAP_SYS_RESOURCE`` for another uid, which the dev VMs
 do not grant even to root.)
@@ -41,12 +48,15 @@ def launch_argv(
     prlimit_opts: Sequence[str],
     memfd: int,
     cmd: Sequence[str],
+    netns: str | None = None,
 ) -> list[str]:
     """The argv that starts bwrap for one run.
 
     Args:
         tools: paths of the host programs.
         drop_to: ``(uid, gid)`` to become before bwrap (the worker is root), or None.
+        netns: path of a network namespace to enter before dropping the uid (needs
+            ``drop_to`` and ``tools.nsenter``), or None.
         prlimit_opts: ``prlimit`` options (:func:`rollout.sandbox.rlimits.prlimit_args`).
         memfd: the fd holding bwrap's options (``--args``).
         cmd: the sandboxed command.
@@ -57,11 +67,22 @@ def launch_argv(
         ['/usr/sbin/chroot', '--userspec=+7:+8', '--groups=', '--skip-chdir', '/', '/usr/bin/prlimit', '--core=0']
         >>> launch_argv(tools, drop_to=None, prlimit_opts=["--core=0"], memfd=5, cmd=["true"])[2:]
         ['--', '/usr/bin/bwrap', '--args', '5', '--', 'true']
+        >>> tools = tools._replace(nsenter="/usr/bin/nsenter")
+        >>> launch_argv(tools, drop_to=(7, 8), prlimit_opts=[], memfd=5, cmd=["true"], netns="/proc/9/fd/4")[:5]
+        ['/usr/bin/nsenter', '--net=/proc/9/fd/4', '--setuid=7', '--setgid=8', '--']
+
+    Raises:
+        ValueError: ``netns`` without ``drop_to`` or without ``nsenter``.
     """
+    if netns is not None and (drop_to is None or tools.nsenter is None):
+        raise ValueError("`netns` needs `drop_to` (the worker is root) and util-linux `nsenter`")
     argv: list[str] = []
     if drop_to is not None:
         uid, gid = drop_to
-        argv += [tools.chroot, f"--userspec=+{uid}:+{gid}", "--groups=", "--skip-chdir", "/"]
+        if netns is not None:
+            argv += [tools.nsenter, f"--net={netns}", f"--setuid={uid}", f"--setgid={gid}", "--"]
+        else:
+            argv += [tools.chroot, f"--userspec=+{uid}:+{gid}", "--groups=", "--skip-chdir", "/"]
     argv += [tools.prlimit, *prlimit_opts, "--"]
     return [*argv, tools.bwrap, "--args", str(memfd), "--", *cmd]
 

@@ -45,6 +45,8 @@ class Slot:
         snapshots: host-only snapshot store, mode 0700.
         lease: the uid (private when the worker is root).
         cgroup: the sandbox cgroup with its limits, or None (rlimit backend).
+        counters: the cgroup's ``(oom_kill, pids max)`` event counters when it was made
+            (the baseline of the first run's verdict; (0, 0) without a cgroup).
     """
 
     sandbox_id: str
@@ -54,6 +56,7 @@ class Slot:
     snapshots: Path
     lease: UidLease
     cgroup: SandboxCgroup | None
+    counters: tuple[int, int] = (0, 0)
 
     def destroy(self) -> None:
         """Remove the cgroup (killing what is left in it) and the directories, release the uid."""
@@ -83,6 +86,7 @@ def make_slot(root: Path, *, limits: SandboxLimits, support: CgroupSupport | Non
         slot.snapshots.mkdir(mode=0o700)
         if support is not None:
             slot.cgroup = create_cgroup(support, sandbox_id, limits)
+            slot.counters = slot.cgroup.counters()
     except (OSError, SandboxError):
         shutil.rmtree(directory, ignore_errors=True)
         lease.release()
@@ -175,8 +179,6 @@ def take_slot(root: Path, *, limits: SandboxLimits, support: CgroupSupport | Non
         SandboxError, OSError: as :func:`make_slot`.
     """
     if pool_size <= 0:
-        if support is not None:
-            reap_stale_cgroups(support)
         return make_slot(root, limits=limits, support=support)
     hierarchy = None if support is None else (support.kind, tuple(sorted((k, str(v)) for k, v in support.dirs.items())))
     key = (str(root.resolve()), limits, hierarchy, pool_size)
