@@ -53,6 +53,8 @@ def _table(out: Path, name: str, *, delta: bool = False) -> pl.DataFrame:
         df = pl.from_arrow(duckdb.connect().sql(
             f"select * from read_parquet('{out}/{name}/**/*.parquet', hive_partitioning=true)").arrow())
         df = df.select(sorted(df.columns))
+    # DuckDB names the zone Etc/UTC, delta-rs UTC: the same instants
+    df = df.with_columns(pl.col(pl.Datetime("us", "Etc/UTC")).dt.convert_time_zone("UTC"))
     keys = [c for c, t in df.schema.items() if not isinstance(t, (pl.List, pl.Struct, pl.Array))]
     return df.sort(keys)
 
