@@ -45,6 +45,11 @@ def test_round_trip_exact_counts_and_episode_order(conn, topics, tmp_path):
     assert dict(records[0].headers)["trajpipe-schema"] in (b"episode_started", b"step")
     assert {decode_event(r.value).event_id for r in records} == {ev.event_id for ev in events}
     assert not producer.spool_path.exists()
+    # each episode on the partition any Kafka producer's default partitioner picks (murmur2 of the key)
+    from kafka.partitioner.default import murmur2
+
+    n = len({r.partition for r in records})
+    assert n == topics.partitions and all(r.partition == (murmur2(r.key) & 0x7FFFFFFF) % n for r in records)
 
 
 def test_spool_when_unreachable_from_start_then_replay(tansu_broker, topics, tmp_path):
