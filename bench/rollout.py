@@ -1,4 +1,4 @@
-"""Rollout throughput per policy: episodes/s of the rollout worker on this machine (~2 minutes).
+"""Rollout throughput per policy: episodes/s of the rollout worker on this machine (~3 minutes).
 
 Every policy runs the same workload shape against the same broker: episodes of
 all four domains, events to a fresh events topic through ``EventProducer``.
@@ -6,13 +6,38 @@ all four domains, events to a fresh events topic through ``EventProducer``.
 * ``scripted``: 40 episodes, 4 in flight (environment + Kafka cost only).
 * ``hf`` and ``vllm``: the tiny random-init model (``trajpipe model init-tiny``),
   16 episodes of at most 4 steps, 32 new tokens per action (random weights
-  never finish early, so every episode is 4 policy calls of 32 tokens).
-  ``hf``: 4 in flight, generate calls serialised. ``vllm``: 8 in flight, their
-  prompts batched into one ``generate`` per round; it runs as ``trajpipe
-  rollout`` in a subprocess (vLLM's process-wide settings stay out of this
-  one) and engine start-up is reported separately, not counted in episodes/s.
+  rarely stop early: 2,019 of the 2,048 tokens a run could generate).
+  ``hf``: 4 in flight, generate calls serialised. ``vllm``: all 16 in flight
+  (``--concurrency 16``), their requests continuously batched on one engine;
+  it runs as ``trajpipe rollout`` in a subprocess (vLLM's process-wide
+  settings stay out of this one) and engine start-up is reported separately,
+  not counted in episodes/s.
 
-Figures: ``rollout_{scripted,hf,vllm}_episodes_per_s``, ``rollout_vllm_load_s``.
+vLLM against its own offline ``generate`` (``rollout_vllm_tokens_vs_generate``,
+goal >= 0.7): the prompts the rollout actually sent are rebuilt from its step
+events on the topic (``rollout.context.model_input_of``: id for id what the
+engine was fed, tested in tests/rollout/test_policies_vllm.py), each with its
+seed (``rollout.model.step_seed`` of the episode's seed, task, sample key and
+step). ``bench.vllm_offline`` then runs them through one ``LLM.generate`` call
+in a subprocess, same engine arguments and sampling parameters.
+
+* rollout tokens/s = the tokens the engine generated for the rollout's policy
+  calls / the wall time from the first request entering the engine to the last
+  one finishing (``generated_tokens`` / ``generation_s`` on the rollout's
+  last-line counts; engine start-up excluded, the environment steps that run in
+  sandboxes between an episode's policy calls included: the ratio says how
+  busy the engine stays);
+* generate tokens/s = the tokens of the offline call / its wall time (engine
+  start-up excluded).
+
+Figures: ``rollout_{scripted,hf,vllm}_episodes_per_s``, ``rollout_vllm_load_s``,
+``rollout_vllm_tokens_per_s``, ``rollout_vllm_generate_tokens_per_s``,
+``rollout_vllm_tokens_vs_generate``, ``rollout_vllm_generate_by_step_tokens_per_s``
+and ``rollout_vllm_tokens_vs_generate_by_step`` (the offline reference run once
+per step index, see ``bench.vllm_offline``), ``rollout_vllm_engine_busy`` (share of
+the rollout's generation time the engine spent in ``step``) and
+``rollout_vllm_same_actions`` (share of the offline actions equal, token for
+token, to the recorded ones: 1.0 means the same work was measured twice).
 
 Usage::
 
@@ -29,21 +54,28 @@ import sys
 import uuid
 from pathlib import Path
 
-from rollout.model import init_tiny_model
+import msgspec
+
+from rollout.context import model_input_of
+from rollout.model import init_tiny_model, step_seed
 from rollout.policies.hf import HFPolicy
 from rollout.policies.scripted import ScriptedPolicy
 from rollout.worker import RolloutConfig, RolloutWorker, make_scheduler
-from schemas.events import SamplingParams
+from schemas.codec import decode_event
+from schemas.events import EpisodeStarted, SamplingParams, Step
 from streams.admin import ensure_topics
 from streams.config import KafkaConnection, Topics
+from streams.consumer import end_offsets, ranges_from, read_range
 from streams.producer import EventProducer
 
-__all__ = ["bench_rollout"]
+__all__ = ["RecordedRequests", "bench_rollout", "bench_vllm_against_generate"]
 
 DOMAINS = ["code", "math", "docqa", "tools"]
 MODEL_EPISODES = 16
 MAX_STEPS = 4
 MAX_TOKENS = 32
+VLLM_CONCURRENCY = 16  # every episode in flight: the engine batch is as wide as the rollout allows
+MAX_MODEL_LEN = 2048  # VLLMPolicy's default, which `trajpipe rollout` uses
 
 
 def _run_in_process(policy, conn: KafkaConnection, workdir: Path, *, episodes: int, concurrency: int,
@@ -59,13 +91,14 @@ def _run_in_process(policy, conn: KafkaConnection, workdir: Path, *, episodes: i
     return counts.episodes_per_s
 
 
-def _run_vllm(bootstrap: str, model: Path, workdir: Path) -> tuple[float, float]:
+def _run_vllm(bootstrap: str, model: Path, workdir: Path) -> tuple[dict, str]:
+    """``trajpipe rollout --policy vllm`` in a subprocess: its last-line counts (plus engine load time), its topic."""
     topic = f"bench.rollout.{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "TRAJPIPE_TOPICS__EVENTS": topic, "TRAJPIPE_TOPICS__CONTROL": f"{topic}.ctl",
            "TRAJPIPE_TOPICS__DEAD_LETTERS": f"{topic}.dl"}
     proc = subprocess.run(
         [sys.executable, "-m", "trajpipe", "rollout", "--bootstrap", bootstrap, "--policy", "vllm",
-         "--model", str(model), "--episodes", str(MODEL_EPISODES), "--concurrency", "8",
+         "--model", str(model), "--episodes", str(MODEL_EPISODES), "--concurrency", str(VLLM_CONCURRENCY),
          "--max-steps", str(MAX_STEPS), "--max-tokens", str(MAX_TOKENS), "--domains", ",".join(DOMAINS),
          "--no-follow-policies", "--spool-dir", str(workdir / "spool-vllm")],
         cwd=Path(__file__).resolve().parents[1], env=env, check=False, capture_output=True, text=True, timeout=600,
@@ -74,7 +107,100 @@ def _run_vllm(bootstrap: str, model: Path, workdir: Path) -> tuple[float, float]
         raise RuntimeError(f"vllm rollout failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     load = re.search(r"vLLM engine loaded in ([0-9.]+) s", proc.stderr)
-    return counts["episodes_per_s"], float(load.group(1)) if load else float("nan")
+    counts["load_s"] = float(load.group(1)) if load else float("nan")
+    return counts, topic
+
+
+class RecordedRequests(msgspec.Struct, kw_only=True):
+    """The policy calls of a rollout, rebuilt from its events; one entry per call in each list.
+
+    Attributes:
+        prompts: the token ids the engine was fed.
+        seeds: the sampling seed of the call.
+        step_indexes: the episode step the call acted for.
+        actions: the token ids it generated (as recorded on the step).
+        sampling: the episodes' sampling parameters (one rollout: the same for all).
+    """
+
+    prompts: list[list[int]]
+    seeds: list[int]
+    step_indexes: list[int]
+    actions: list[list[int]]
+    sampling: SamplingParams
+
+
+def _recorded_requests(conn: KafkaConnection, topic: str) -> RecordedRequests:
+    """Every policy call of the rollout on ``topic``, from its step events.
+
+    The seed is the one :meth:`rollout.policies.vllm.VLLMPolicy.act` drew: ``step_seed`` of the episode's
+    seed, task, sample key (``<round>.<member>.<attempt>``; the round ends ``task_group``, attempts are 0
+    in a run without retries) and step index.
+    """
+    ranges = ranges_from(topic=topic, start={}, end=end_offsets(conn, topic))
+    episodes: dict[str, list] = {}
+    for batch in read_range(conn, ranges, stall_timeout_s=30):
+        for record in batch:
+            event = decode_event(record.value)
+            episodes.setdefault(event.episode_id, []).append(event)
+    out = RecordedRequests(prompts=[], seeds=[], step_indexes=[], actions=[], sampling=SamplingParams())
+    for events in episodes.values():
+        started = next(e for e in events if isinstance(e, EpisodeStarted))
+        steps = sorted((e for e in events if isinstance(e, Step)), key=lambda e: e.step_index)
+        out.sampling = started.sampling
+        sample = f"{started.task_group.rsplit('.', 1)[1]}.{started.group_member}.0"
+        obs, act = [s.observation_token_ids for s in steps], [s.action_token_ids for s in steps]
+        for k, step in enumerate(steps):
+            out.prompts.append(model_input_of(obs, act, step=k, cut_start=step.context_cut_start,
+                                              cut_tokens=step.context_cut_tokens))
+            out.seeds.append(step_seed(started.sampling.seed or 0, started.task_id, step.step_index, sample=sample))
+            out.step_indexes.append(step.step_index)
+            out.actions.append(step.action_token_ids.tolist())
+    return out
+
+
+def _run_offline_generate(model: Path, workdir: Path, recorded: RecordedRequests) -> dict:
+    """``bench.vllm_offline`` in a subprocess over the recorded prompts; its answer."""
+    request, answer = workdir / "offline-request.json", workdir / "offline-answer.json"
+    request.write_text(json.dumps({"model": str(model), "prompts": recorded.prompts, "seeds": recorded.seeds,
+                                   "step_indexes": recorded.step_indexes,
+                                   "sampling": msgspec.to_builtins(recorded.sampling),
+                                   "max_model_len": MAX_MODEL_LEN}))
+    proc = subprocess.run([sys.executable, "-m", "bench.vllm_offline", str(request), str(answer)],
+                          cwd=Path(__file__).resolve().parents[1], check=False, capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"offline vLLM generate failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(answer.read_text())
+
+
+def bench_vllm_against_generate(bootstrap: str, model: Path, workdir: Path) -> dict:
+    """The vLLM rollout's episodes/s and generated tokens/s, against offline ``generate`` over its prompts.
+
+    Returns:
+        The ``rollout_vllm_*`` figures of the module docstring.
+    """
+    counts, topic = _run_vllm(bootstrap, model, workdir)
+    recorded = _recorded_requests(KafkaConnection(bootstrap_servers=bootstrap, client_id="bench-rollout-vllm"),
+                                  topic)
+    if len(recorded.prompts) != counts["policy_requests"] or not recorded.prompts:
+        raise RuntimeError(f"{len(recorded.prompts)} steps on {topic} but the engine ran "
+                           f"{counts['policy_requests']} requests: the recorded prompts are not what the rollout sent")
+    offline = _run_offline_generate(model, workdir, recorded)
+    rollout_tps = counts["generated_tokens"] / counts["generation_s"]
+    generate_tps = offline["generated_tokens"] / offline["generate_s"]
+    by_step_tps = offline["by_step_generated_tokens"] / offline["by_step_generate_s"]
+    same = sum(a == b for a, b in zip(recorded.actions, offline["token_ids"])) / len(recorded.actions)
+    return {
+        "rollout_vllm_episodes_per_s": round(counts["episodes_per_s"], 3),
+        "rollout_vllm_load_s": round(counts["load_s"], 1),
+        "rollout_vllm_tokens_per_s": round(rollout_tps, 1),
+        "rollout_vllm_generate_tokens_per_s": round(generate_tps, 1),
+        "rollout_vllm_tokens_vs_generate": round(rollout_tps / generate_tps, 3),
+        "rollout_vllm_generate_by_step_tokens_per_s": round(by_step_tps, 1),
+        "rollout_vllm_tokens_vs_generate_by_step": round(rollout_tps / by_step_tps, 3),
+        "rollout_vllm_engine_busy": round(counts["engine_busy_s"] / counts["generation_s"], 3),
+        "rollout_vllm_same_actions": round(same, 3),
+    }
 
 
 def bench_rollout(bootstrap: str, workdir: Path) -> dict:
@@ -85,8 +211,8 @@ def bench_rollout(bootstrap: str, workdir: Path) -> dict:
         workdir: scratch directory (model, spools).
 
     Returns:
-        ``{"rollout_scripted_episodes_per_s", "rollout_hf_episodes_per_s",
-        "rollout_vllm_episodes_per_s", "rollout_vllm_load_s"}``.
+        ``rollout_scripted_episodes_per_s``, ``rollout_hf_episodes_per_s`` and the
+        ``rollout_vllm_*`` figures of :func:`bench_vllm_against_generate`.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     conn = KafkaConnection(bootstrap_servers=bootstrap, client_id="bench-rollout")
@@ -95,10 +221,8 @@ def bench_rollout(bootstrap: str, workdir: Path) -> dict:
     scripted = _run_in_process(ScriptedPolicy(seed=0), conn, workdir, episodes=40, concurrency=4, max_steps=16)
     hf = _run_in_process(HFPolicy.from_pretrained(model, sampling=sampling), conn, workdir,
                          episodes=MODEL_EPISODES, concurrency=4, max_steps=MAX_STEPS)
-    vllm_eps, vllm_load = _run_vllm(bootstrap, model, workdir)
     return {
         "rollout_scripted_episodes_per_s": round(scripted, 3),
         "rollout_hf_episodes_per_s": round(hf, 3),
-        "rollout_vllm_episodes_per_s": round(vllm_eps, 3),
-        "rollout_vllm_load_s": round(vllm_load, 1),
+        **bench_vllm_against_generate(bootstrap, model, workdir),
     }

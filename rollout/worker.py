@@ -8,10 +8,11 @@ of ``concurrency`` threads, and emits every event through ``emit`` (usually
 Concurrency model: one thread per episode in flight. Environment steps
 (sandboxed commands) and policy calls block their own thread only; the
 scheduler is touched by the main thread alone. Model policies decide how to
-share the model: :class:`rollout.policies.vllm.VLLMPolicy` batches the prompts
-of all threads waiting at the same moment into one ``generate`` call (one
-"round"); :class:`rollout.policies.hf.HFPolicy` serialises ``generate`` calls
-while environment steps of other episodes go on.
+share the model: :class:`rollout.policies.vllm.VLLMPolicy` feeds every
+thread's request to one engine with continuous batching (a request joins the
+running batch at the next engine step);
+:class:`rollout.policies.hf.HFPolicy` serialises ``generate`` calls while
+environment steps of other episodes go on.
 
 Shutdown: when ``stop`` is set (the CLI sets it on SIGINT/SIGTERM) no new
 episode starts, and each episode in flight ends at its next policy call: the

@@ -788,7 +788,8 @@ def rollout(
     if samples_per_version:
         typer.echo(f"staleness control: held new groups back {counts.throttled_s:.1f} s, released "
                    f"{counts.throttle_releases} groups without a new version", err=True)
-    _print_counts(counts.summary())
+    # vLLM appends what its engine generated (generated tokens, generation wall time; bench.rollout reads them).
+    _print_counts({**counts.summary(), **(actor.stats.summary() if policy == "vllm" else {})})
     if counts.stuck:  # their threads never returned; events are flushed, so leave without joining them
         typer.echo(f"{counts.stuck} episodes were stuck at shutdown (closed as aborted); exiting", err=True)
         sys.stderr.flush()
