@@ -77,6 +77,31 @@ def _schema(table_root: Path, first: str) -> tuple[Schema, list[str]]:
     return Schema.from_arrow(pa.schema(fields)), cols
 
 
+def _check_compatible(dt: DeltaTable, schema: Schema, cols: list[str], table_root: Path) -> None:
+    """Refuse a table these files do not belong to: other partition columns, a column they lack,
+    or a primitive column of another type.
+
+    delta-rs' ``create_write_transaction`` does not check the ``add`` actions against the table's
+    schema: without this, files of another layout would be appended to (and misread as) a table
+    some other tool made at the same path. Files with *more* (a newer event or dataset schema:
+    new columns, new struct fields) are accepted; the table's schema is not widened, so a Delta
+    reader sees the columns the table was made with, and the new ones through the files.
+    """
+    have, want = json.loads(dt.schema().to_json()), json.loads(schema.to_json())
+    have_cols = list(dt.metadata().partition_columns)
+    ours = {f["name"]: f["type"] for f in want["fields"]}
+    clash = [f["name"] for f in have["fields"] if f["name"] not in ours
+             or isinstance(f["type"], str) and f["type"] != ours[f["name"]]]
+    if have_cols != cols or clash:
+        def names(s: dict) -> str:
+            return ", ".join(f"{f['name']}: {f['type'] if isinstance(f['type'], str) else f['type']['type']}"
+                             for f in s["fields"])[:300]
+        raise DeltaCommitError(
+            f"the Delta table {table_root} has columns ({names(have)}) partitioned by {have_cols}, which the "
+            f"files trajpipe writes there ({names(want)}, partitioned by {cols}) do not fit; it was made by "
+            f"another tool: move it away (the commit is kept and is added on the next run)")
+
+
 def add_files(table_root: Path | str, files: Sequence[tuple[str, int]], *, app_id: str, version: int,
               metadata: Mapping[str, str]) -> int | None:
     """Add Parquet files already under ``table_root`` to its Delta table in one transaction.
@@ -100,6 +125,8 @@ def add_files(table_root: Path | str, files: Sequence[tuple[str, int]], *, app_i
     if dt is not None and (dt.transaction_version(app_id) or 0) >= version:
         return None
     schema, cols = _schema(table_root, files[0][0])
+    if dt is not None:
+        _check_compatible(dt, schema, cols, table_root)
     actions = []
     for rel, rows in files:
         st = os.stat(table_root / rel)
@@ -120,6 +147,7 @@ def add_files(table_root: Path | str, files: Sequence[tuple[str, int]], *, app_i
                     raise
                 if (dt.transaction_version(app_id) or 0) >= version:
                     return None
+                _check_compatible(dt, schema, cols, table_root)
         dt.create_write_transaction(actions, mode="append", schema=schema, partition_by=cols,
                                     commit_properties=props, post_commithook_properties=_HOOKS)
     except DeltaError as err:

@@ -59,6 +59,7 @@ USER_ERRORS: frozenset[tuple[str, str]] = frozenset({
     ("trajpipe.cli", "CommandLineError"),  # and ModelDirError
     ("trajpipe.analytics", "AnalyticsError"),  # query, catalog, report
     ("schemas.storage", "StorageError"),  # a location that cannot be used (e.g. s3:// where only local paths work)
+    ("schemas.delta", "DeltaCommitError"),  # a Delta table at an output path that is not trajpipe's layout
 })
 #: Built-in exceptions that, escaping a command, come from a path given on the command line.
 _PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError, PermissionError)

@@ -339,3 +339,39 @@ def test_concurrent_runs_commit_disjoint_work_once(archive, tmp_path):
     dt = DeltaTable(str(out / "trajectories"))
     assert [dt.transaction_version(app_id(v)) for v in versions] == [1, 1]
     assert dt.to_pyarrow_dataset().count_rows() == 2 * N and len(delta_batches(out / "trajectories")) == 2
+
+
+def test_a_table_delta_refuses_is_one_error_line_and_the_commit_catches_up_later(archive, tmp_path):
+    """Another tool's Delta table with another schema at <out>/steps: one error line, nothing lost.
+
+    The manifest and the files are in place when the Delta transaction is refused, so once the
+    table is moved away the next run's recovery adds the commit to every table, and reads nothing new.
+    """
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    root, _ = archive
+    out = tmp_path / "datasets"
+    write_deltalake(str(out / "steps"), pa.table({"something_else": [1, 2]}))
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "trajpipe", "pipeline", "run", "--source", "archive", "--archive", str(root),
+           "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    bad = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    last = bad.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and f"Delta table {out / 'steps'} has columns (something_else: long)" in last, last
+    foreign = DeltaTable(str(out / "steps"))  # left as it was
+    assert foreign.version() == 0 and foreign.to_pyarrow_dataset().count_rows() == 2
+    shutil.rmtree(out / "steps" / "_delta_log")
+    again = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    [version] = [p.name for p in (out / "_manifests").iterdir()]
+    for table in ("steps", "trajectories"):
+        assert DeltaTable(str(out / table)).transaction_version(app_id(version)) == 1, table
+    assert DeltaTable(str(out / "trajectories")).to_pyarrow_dataset().count_rows() == N
