@@ -40,8 +40,8 @@ https://github.com/delta-io/delta/blob/master/PROTOCOL.md.
 Examples:
     >>> batch_id("outcome-0a1b2c3d", 7)
     'outcome-0a1b2c3d/00000007'
-    >>> partition_columns("steps/recipe=outcome-0a1b2c3d/domain=code/c00000007-s000.parquet")
-    {'recipe': 'outcome-0a1b2c3d', 'domain': 'code'}
+    >>> app_id("outcome-0a1b2c3d")
+    'trajpipe.outcome-0a1b2c3d'
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from schemas.delta import META_PREFIX, add_files, batches, txn_version
 if TYPE_CHECKING:
     from pipelines.commit import CommittedFile, DatasetManifest
 
-__all__ = ["DATA_TABLES", "app_id", "batch_id", "partition_columns", "publish_commit", "roll_forward",
+__all__ = ["DATA_TABLES", "app_id", "batch_id", "publish_commit", "roll_forward",
            "table_versions_at", "delta_batches"]
 
 log = logging.getLogger(__name__)
@@ -74,11 +74,6 @@ def app_id(version: str) -> str:
 def batch_id(version: str, commit: int) -> str:
     """The batch id every table's transaction of commit ``commit`` carries."""
     return f"{version}/{commit:08d}"
-
-
-def partition_columns(rel_path: str) -> dict[str, str]:
-    """The hive partition values of a file path relative to ``<out>`` (``k=v`` directories)."""
-    return dict(seg.split("=", 1) for seg in rel_path.split("/")[1:-1] if "=" in seg)
 
 
 def _table_files(manifest: DatasetManifest) -> dict[str, list[CommittedFile]]:
