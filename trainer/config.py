@@ -110,11 +110,15 @@ class ObjectiveConfig(_Strict):
 
 
 class OptimConfig(_Strict):
-    """Optimizer (DeepSpeed's AdamW) and learning-rate schedule."""
+    """Optimizer (DeepSpeed's AdamW, or torch's SGD) and learning-rate schedule."""
 
+    name: Literal["adamw", "sgd"] = Field("adamw", description="adamw (DeepSpeed's AdamW, torch implementation) or "
+                                          "sgd (torch.optim.SGD: an update proportional to the gradient)")
     lr: float = Field(1e-5, gt=0, description="peak learning rate")
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = Field((0.9, 0.95), description="adamw's moment decay rates")
+    eps: float = Field(1e-8, gt=0, description="adamw's denominator term")
+    momentum: float = Field(0.0, ge=0, lt=1, description="sgd's momentum")
     warmup_steps: int = Field(0, ge=0, description="linear warm-up optimizer steps")
     schedule: Literal["constant", "cosine"] = Field("constant", description="after warm-up")
     grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")

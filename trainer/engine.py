@@ -86,8 +86,14 @@ def build_deepspeed_config(
     schedule: str,
     total_steps: int,
     override: dict[str, Any] | None = None,
+    optimizer: str = "adamw",
+    eps: float = 1e-8,
+    momentum: float = 0.0,
 ) -> dict[str, Any]:
-    """The DeepSpeed config for a run: AdamW (torch implementation), warm-up + constant/cosine LR.
+    """The DeepSpeed config for a run: AdamW (torch implementation) or SGD, warm-up + constant/cosine LR.
+
+    ``optimizer="sgd"`` is ``torch.optim.SGD`` (DeepSpeed takes a ``torch.optim`` class by name): its step is
+    ``lr * g`` (plus momentum), where AdamW's first steps are ``lr * g / |g|`` on every weight with a gradient.
 
     ``override`` (a user ``--deepspeed-config`` file) is merged on top, key by key.
     """
@@ -104,8 +110,9 @@ def build_deepspeed_config(
         "gradient_accumulation_steps": grad_accum,
         "train_batch_size": micro_batch_size * grad_accum * world_size,
         "gradient_clipping": grad_clip,
-        "optimizer": {"type": "AdamW", "params": {
-            "lr": lr, "betas": list(betas), "eps": 1e-8, "weight_decay": weight_decay, "torch_adam": True}},
+        "optimizer": {"type": "SGD", "params": {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}}
+        if optimizer == "sgd" else {"type": "AdamW", "params": {
+            "lr": lr, "betas": list(betas), "eps": eps, "weight_decay": weight_decay, "torch_adam": True}},
         "scheduler": scheduler,
         "bf16": {"enabled": bf16},
         "zero_optimization": {"stage": zero_stage, "stage3_gather_16bit_weights_on_model_save": True},

@@ -252,3 +252,42 @@ def test_grad_accum_two_equals_one_micro_batch_with_deepspeed(tiny_model, vocab_
     assert len(whole) == len(accumulated) > 0 and any(g.abs().sum() > 0 for g in whole)
     for a, b in zip(accumulated, whole):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_optimizer_step_sizes_sgd_and_adamw(tiny_model):
+    """Hand-checkable first steps: SGD moves each weight by ``-lr * g``; AdamW's first step by ``lr`` in magnitude
+    on every weight whose gradient is not ~0 (``m / sqrt(v) = g / |g|`` after bias correction), however small ``g``."""
+    import torch
+
+    from trainer.engine import TrainEngine, build_deepspeed_config, init_distributed, load_model
+
+    _, world = init_distributed()
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
+
+    def first_step(optimizer: str, lr: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        ds_config = build_deepspeed_config(
+            micro_batch_size=1, grad_accum=1, world_size=world, zero_stage=0, bf16=False, lr=lr, weight_decay=0.0,
+            betas=(0.9, 0.95), grad_clip=1e9, warmup_steps=0, schedule="constant", total_steps=1,
+            optimizer=optimizer)
+        assert ds_config["optimizer"]["type"] == {"sgd": "SGD", "adamw": "AdamW"}[optimizer]
+        engine = TrainEngine(load_model(tiny_model), ds_config=ds_config)
+        params = [p for p in engine.module.parameters()]
+        before = [p.detach().clone() for p in params]
+        loss = engine.engine(input_ids=ids, labels=ids).loss * 1e-3  # a small loss: Adam's step does not care
+        engine.backward(loss)
+        grads = [p.grad.detach().clone() for p in params]
+        engine.step()
+        after = [p.detach().clone() for p in params]
+        engine.close()
+        return grads, before, after
+
+    grads, before, after = first_step("sgd", 0.5)
+    assert any(g.abs().max() > 0 for g in grads)
+    for g, b, a in zip(grads, before, after):
+        torch.testing.assert_close(a, b - 0.5 * g, rtol=1e-6, atol=0.0)
+    grads, before, after = first_step("adamw", 1e-3)
+    moves = [a - b for a, b in zip(after, before)]
+    for g, m in zip(grads, moves):
+        big = g.abs() > 1e-6  # eps = 1e-8 only matters for |g| near it
+        torch.testing.assert_close(m[big].abs(), torch.full_like(m[big], 1e-3), rtol=1e-2, atol=1e-7)
+        assert torch.equal(torch.sign(m[big]), -torch.sign(g[big]))

@@ -141,7 +141,8 @@ class RLRecipe:
             micro_batch_size=cfg.data.batch_size, grad_accum=cfg.optim.grad_accum, world_size=self.world_size,
             zero_stage=cfg.engine.zero_stage, bf16=bf16, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
             betas=cfg.optim.betas, grad_clip=cfg.optim.grad_clip, warmup_steps=cfg.optim.warmup_steps,
-            schedule=cfg.optim.schedule, total_steps=cfg.max_steps,
+            schedule=cfg.optim.schedule, total_steps=cfg.max_steps, optimizer=cfg.optim.name, eps=cfg.optim.eps,
+            momentum=cfg.optim.momentum,
             override=read_deepspeed_override(cfg.engine.deepspeed_config),
         )
         self.ds_config = ds_config
