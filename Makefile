@@ -65,8 +65,11 @@ $(KAFKA_JARS)/.done: streams/kafka/pom.xml
 	mvn -q -B -f streams/kafka/pom.xml dependency:copy-dependencies -DoutputDirectory=$(abspath $(KAFKA_JARS)) -DincludeScope=runtime
 	touch $@
 
+# Tests run in PYTEST_WORKERS processes (pytest-xdist), whole files per process (--dist loadfile: a file's
+# module-scoped fixtures, e.g. a real-rollout dataset, are built once); PYTEST_WORKERS=0 runs them in one process.
+PYTEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest --durations=25
+	$(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile) --durations=25
 
 # Issue-acceptance runs (tests marked `acceptance`: minutes each, not in `make test` until they pass reliably).
 test-acceptance: install
