@@ -335,18 +335,24 @@ def _recover_staging(layout: DatasetLayout, manifests: dict[int, DatasetManifest
     of ``n`` the manifest does not name is a crashed run's (a run that loses the race deletes
     its own), deleted by the next recovery.
     """
+    last = max(manifests, default=0)
     for name in loc.list_dir(layout.staging_root):
         prefix = name.split("-", 1)[0] if layout.remote else name
         n = int(prefix) if prefix.isdigit() else None
         d = loc.join(layout.staging_root, name)
         m = manifests.get(n) if n is not None else None
-        if m is not None and _staging_of(m) == f"_staging/{layout.version}/{name}":
+        if layout.remote and n is not None and n > len(manifests):
+            _LOG.info("leaving staging directory %s: commit %s is not made yet (another run's, or a crashed one's "
+                      "until it is)", d, n)
+        elif layout.remote and not loc.list_files(d):
+            # An object store may list a prefix whose objects are gone (SeaweedFS keeps the filer's empty
+            # directories): nothing to finish; rolling an older commit forward again would delete the
+            # state files of the newer ones.
+            loc.delete_dir(d)
+        elif m is not None and n == last and _staging_of(m) == f"_staging/{layout.version}/{name}":
             _LOG.warning("rolling forward interrupted dataset commit %s of %s", n, layout.version)
             _roll_forward(layout, m)
             fixed["rolled_forward"] += 1
-        elif layout.remote and n is not None and n > len(manifests):
-            _LOG.info("leaving staging directory %s: commit %s is not made yet (another run's, or a crashed one's "
-                      "until it is)", d, n)
         else:
             _LOG.warning("rolling back uncommitted staging directory %s", d)
             loc.delete_dir(d)
