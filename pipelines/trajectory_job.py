@@ -135,7 +135,7 @@ from pipelines.verify import VerifySteps
 from schemas.events import Event
 from schemas import locations as loc
 from schemas.locations import filesystem, is_remote
-from schemas.storage import StorageError, local_path
+from schemas.storage import StorageError, local_path, scheme_of
 from streams.config import KafkaConnection, Topics
 from streams.errors import KafkaUnavailable, check_kafka, kafka_access_errors
 from streams.consumer import StreamTimeoutError
@@ -236,7 +236,8 @@ def _check(args: argparse.Namespace) -> None:
             try:
                 setattr(args, flag, str(local_path(getattr(args, flag), flag=f"--{flag}")))
             except StorageError as err:
-                raise JobError(f"{err} (see `trajpipe pipeline run --help`)") from err
+                hint = "; `--mode batch` writes s3://" if flag == "out" and scheme_of(args.out) == "s3" else ""
+                raise JobError(f"{err}{hint} (see `trajpipe pipeline run --help`)") from err
     if args.mode != "stream" and args.out:
         try:
             filesystem(args.out)  # refuses gs://, az://, ... naming the scheme
