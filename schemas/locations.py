@@ -91,8 +91,8 @@ def join(location: str | os.PathLike[str], *parts: str) -> str:
     return text
 
 
-def _location(fs: pafs.FileSystem, path: str, like: str) -> str:
-    """The location of ``path`` on ``fs`` in the form of ``like`` (a URI for remote ones)."""
+def _location(path: str, like: str) -> str:
+    """The location of ``path`` (a path on ``like``'s filesystem) in the form of ``like`` (a URI for remote ones)."""
     return f"s3://{path}" if is_remote(like) else path
 
 
@@ -211,7 +211,7 @@ def move(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
         return
     try:
         fs.move(src_path, dst_path)
-    except (FileNotFoundError, OSError):
+    except OSError:  # FileNotFoundError included
         if fs.get_file_info(src_path).type == pafs.FileType.NotFound and \
                 fs.get_file_info(dst_path).type == pafs.FileType.File:
             return  # moved by another process in the meantime
@@ -250,7 +250,7 @@ def list_files(location: str | os.PathLike[str], *, suffix: str = "") -> list[st
     text = os.fspath(location)
     fs, path = filesystem(text)
     infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
-    return sorted(_location(fs, i.path, text) for i in infos
+    return sorted(_location(i.path, text) for i in infos
                   if i.type == pafs.FileType.File and i.base_name.endswith(suffix))
 
 
