@@ -18,15 +18,22 @@ Layout under ``<out>`` for dataset version ``V = <recipe name>-<hash8>``::
 Commit ``n`` (driver side, after the Beam job has written ``_staging/V/<n>/``):
 
 1. merge this run's statistics into the persisted ones, stage the result;
-2. write the manifest ``_manifests/V/<n>.json`` (tmp + fsync + rename): the
-   **commit point**; it names every file (staged and final path, rows), the
-   input it covers (archive commits or Kafka offsets), the counts, the
-   event-time clock and the state files;
-3. rename every staged file into place (``os.replace``), then drop the
+2. write the manifest ``_manifests/V/<n>.json`` (tmp + fsync + rename; on an
+   object store a create-only PUT): the **commit point**; it names every file
+   (staged and final path, rows), the input it covers (archive commits or Kafka
+   offsets), the counts, the event-time clock and the state files;
+3. rename every staged file into place (``os.replace``; on an object store a
+   copy + delete, redone by :func:`recover` after a crash), then drop the
    staging directory, older pending files, late-state files the manifest
    no longer names (and older held-group state when the commit wrote its own);
 4. add the commit's data files to the Delta tables, one transaction per table
    carrying the batch id (:mod:`pipelines.delta_tables`).
+
+``<out>`` is a local directory or ``s3://BUCKET/PREFIX``: every file goes through
+:mod:`schemas.locations`. An object store has no ``flock``, so there each run
+stages under ``_staging/V/<n>-<run>/`` and writes its manifest create-only
+(``If-None-Match: *``): of two runs racing for commit ``n`` one commits, the
+other deletes its staging and raises :class:`CommitConflict`.
 
 :func:`recover` runs before every job: a staging directory whose manifest
 exists is rolled forward (step 3 redone; idempotent), one without is rolled
@@ -46,7 +53,6 @@ import contextlib
 import fcntl
 import logging
 import os
-import shutil
 from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -56,7 +62,6 @@ import msgspec
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
-import pyarrow.feather as feather
 import pyarrow.parquet as pq
 
 from pipelines import delta_tables
@@ -66,13 +71,15 @@ from pipelines.normalize import NormState, RunningStats, load_norm_state
 from pipelines.sinks import GROUPS_FILE, HELD_DIR, PENDING_FILE, RUN_STATS_FILE, STAGED_SUFFIX
 from schemas.datasets import DATASET_SCHEMA_VERSION
 from schemas.events import SCHEMA_VERSION
-from schemas.storage import atomic_write, fsync_dir
+from schemas import locations as loc
+from schemas.storage import fsync_dir
 
 __all__ = [
     "DatasetManifest",
     "CommittedFile",
     "DatasetLayout",
     "CommitError",
+    "CommitConflict",
     "read_manifests",
     "recover",
     "commit_staged",
@@ -92,6 +99,18 @@ _LOG = logging.getLogger(__name__)
 
 class CommitError(RuntimeError):
     """A dataset directory in a state the commit protocol cannot resolve (or a simulated crash)."""
+
+
+class CommitConflict(CommitError):
+    """Another run wrote this run's commit first (object stores: the create-only manifest PUT lost).
+
+    Nothing of this run is in the dataset (its staging is deleted); a rerun continues from the winner's commit.
+    """
+
+    @classmethod
+    def of(cls, commit: int, version: str, out: str) -> "CommitConflict":
+        return cls(f"another run committed {commit} of {version} at {out} first; this run's output is discarded "
+                   "(nothing of it was committed): rerun to continue from that commit")
 
 
 class CommittedFile(msgspec.Struct, frozen=True, kw_only=True):
@@ -168,32 +187,44 @@ class DatasetManifest(msgspec.Struct, kw_only=True):
 
 
 class DatasetLayout(msgspec.Struct, frozen=True):
-    """Paths of one dataset version under ``out``.
+    """Locations of one dataset version under ``out`` (strings: a local path or an ``s3://`` URI).
 
     Attributes:
-        out: the dataset root.
+        out: the dataset root, a local directory or ``s3://BUCKET/PREFIX`` (:mod:`schemas.locations`).
         version: ``<recipe name>-<hash8>``.
         recipe_hash: the recipe's full hash.
+        run: names this run's staging directories ``<n>-<run>`` (object stores: two runs racing for
+            commit ``n`` never share, nor delete, each other's staged files); empty: ``<n>``.
     """
 
     out: str
     version: str
     recipe_hash: str
+    run: str = ""
 
     @property
-    def root(self) -> Path:
-        return Path(self.out)
+    def root(self) -> str:
+        return self.out if loc.is_remote(self.out) else str(Path(self.out))
 
     @property
-    def manifests(self) -> Path:
-        return self.root / "_manifests" / self.version
+    def remote(self) -> bool:
+        """Whether ``out`` is on an object store (no ``flock``, no atomic rename)."""
+        return loc.is_remote(self.out)
+
+    def at(self, rel: str) -> str:
+        """The location of ``rel`` (a path relative to ``out``)."""
+        return loc.join(self.root, rel)
 
     @property
-    def staging_root(self) -> Path:
-        return self.root / "_staging" / self.version
+    def manifests(self) -> str:
+        return loc.join(self.root, "_manifests", self.version)
 
-    def staging(self, commit: int) -> Path:
-        return self.staging_root / f"{commit:08d}"
+    @property
+    def staging_root(self) -> str:
+        return loc.join(self.root, "_staging", self.version)
+
+    def staging(self, commit: int) -> str:
+        return loc.join(self.staging_root, f"{commit:08d}-{self.run}" if self.run else f"{commit:08d}")
 
     @property
     def norm_file(self) -> str:
@@ -219,9 +250,11 @@ def read_manifests(layout: DatasetLayout) -> list[DatasetManifest]:
         CommitError: a manifest is unreadable or commit numbers have a gap.
     """
     out = []
-    for path in sorted(layout.manifests.glob("*.json")):
+    for path in loc.list_files(layout.manifests, suffix=".json"):
+        if path.rsplit("/", 1)[-1].startswith("."):  # a temporary file of an interrupted write
+            continue
         try:
-            out.append(msgspec.json.decode(path.read_bytes(), type=DatasetManifest))
+            out.append(msgspec.json.decode(loc.read_bytes(path), type=DatasetManifest))
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
             raise CommitError(f"dataset manifest {path} is unreadable: {err}") from err
     for i, m in enumerate(out, start=1):
@@ -230,41 +263,52 @@ def read_manifests(layout: DatasetLayout) -> list[DatasetManifest]:
     return out
 
 
+def _staging_of(manifest: DatasetManifest) -> str:
+    """The staging directory (relative to ``<out>``) the manifest's files were staged in."""
+    return "/".join(manifest.files[0].staged.split("/")[:3]) if manifest.files else ""
+
+
 def _roll_forward(layout: DatasetLayout, manifest: DatasetManifest) -> int:
     moved = 0
     for f in manifest.files:
-        src, dst = layout.root / f.staged, layout.root / f.path
-        if src.exists():
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(src, dst)
+        src, dst = layout.at(f.staged), layout.at(f.path)
+        if loc.exists(src):
+            loc.move(src, dst)
             moved += 1
-    for d in {(layout.root / f.path).parent for f in manifest.files}:
-        if d.exists():
-            fsync_dir(d)
-    shutil.rmtree(layout.staging(manifest.commit), ignore_errors=True)
-    for d in (layout.staging_root, layout.staging_root.parent):
-        if d.exists() and not any(d.iterdir()):
-            d.rmdir()
-    state = layout.root / "_state" / layout.version
+    if not layout.remote:
+        for d in {os.path.dirname(layout.at(f.path)) for f in manifest.files}:
+            if os.path.exists(d):
+                fsync_dir(Path(d))
+    if manifest.files:
+        loc.delete_dir(layout.at(_staging_of(manifest)))
+    if not layout.remote:  # (an object store has no directories to remove)
+        for d in (layout.staging_root, os.path.dirname(layout.staging_root)):
+            if os.path.exists(d) and not os.listdir(d):
+                os.rmdir(d)
+    state = layout.at(f"_state/{layout.version}")
+    names = loc.list_dir(state)
+
+    def rel(name: str) -> str:
+        return f"_state/{layout.version}/{name}"
+
     # Held-group state of earlier commits is superseded by this one's, if it wrote one.
     if manifest.groups_file is not None:
-        for old in state.glob("groups-*.json"):
-            if str(old.relative_to(layout.root)) != manifest.groups_file:
-                old.unlink()
-        for old in state.glob("held-*"):
-            if str(old.relative_to(layout.root)) != layout.held_dir(manifest.commit):
-                shutil.rmtree(old)
-    for old in state.glob("late-*.arrow"):  # every commit names the live late-state files
-        if str(old.relative_to(layout.root)) not in manifest.late_state:
-            old.unlink()
+        for name in names:
+            if name.startswith("groups-") and name.endswith(".json") and rel(name) != manifest.groups_file:
+                loc.delete_file(layout.at(rel(name)))
+            if name.startswith("held-") and rel(name) != layout.held_dir(manifest.commit):
+                loc.delete_dir(layout.at(rel(name)))
+    for name in names:  # every commit names the live late-state files
+        if name.startswith("late-") and name.endswith(".arrow") and rel(name) not in manifest.late_state:
+            loc.delete_file(layout.at(rel(name)))
     # Pending state of earlier commits is superseded by this one's. A stream window commit
     # writes none and supersedes nothing: the stream's pending state is written when it stops.
     if manifest.mode == "stream" and manifest.pending_file is None:
         return moved
     keep = {manifest.pending_file}
-    for old in state.glob("pending-*.arrow"):
-        if str(old.relative_to(layout.root)) not in keep:
-            old.unlink()
+    for name in names:
+        if name.startswith("pending-") and name.endswith(".arrow") and rel(name) not in keep:
+            loc.delete_file(layout.at(rel(name)))
     return moved
 
 
@@ -277,22 +321,41 @@ def recover(layout: DatasetLayout) -> dict[str, int]:
     """
     manifests = {m.commit: m for m in read_manifests(layout)}
     fixed = {"rolled_forward": 0, "rolled_back": 0, "delta_rolled_forward": 0}
-    if layout.staging_root.exists():
-        _recover_staging(layout, manifests, fixed)
+    _recover_staging(layout, manifests, fixed)
     fixed["delta_rolled_forward"] = delta_tables.roll_forward(layout.root, manifests.values())
     return fixed
 
 
 def _recover_staging(layout: DatasetLayout, manifests: dict[int, DatasetManifest], fixed: dict[str, int]) -> None:
-    for d in sorted(layout.staging_root.iterdir()):
-        n = int(d.name) if d.name.isdigit() else None
-        if n is not None and n in manifests:
+    """Roll forward staging a manifest names; delete the rest, except (object stores) what may be in flight.
+
+    Locally the commit lock makes the caller the only writer: staging without a manifest is a
+    crashed run's. On an object store there is no lock: staging ``<n>-<run>`` for a commit not
+    made yet may be another run's at work, and is left alone; once ``n`` is committed, staging
+    of ``n`` the manifest does not name is a crashed run's (a run that loses the race deletes
+    its own), deleted by the next recovery.
+    """
+    last = max(manifests, default=0)
+    for name in loc.list_dir(layout.staging_root):
+        prefix = name.split("-", 1)[0] if layout.remote else name
+        n = int(prefix) if prefix.isdigit() else None
+        d = loc.join(layout.staging_root, name)
+        m = manifests.get(n) if n is not None else None
+        if layout.remote and n is not None and n > len(manifests):
+            _LOG.info("leaving staging directory %s: commit %s is not made yet (another run's, or a crashed one's "
+                      "until it is)", d, n)
+        elif layout.remote and not loc.list_files(d):
+            # An object store may list a prefix whose objects are gone (SeaweedFS keeps the filer's empty
+            # directories): nothing to finish; rolling an older commit forward again would delete the
+            # state files of the newer ones.
+            loc.delete_dir(d)
+        elif m is not None and n == last and _staging_of(m) == f"_staging/{layout.version}/{name}":
             _LOG.warning("rolling forward interrupted dataset commit %s of %s", n, layout.version)
-            _roll_forward(layout, manifests[n])
+            _roll_forward(layout, m)
             fixed["rolled_forward"] += 1
         else:
             _LOG.warning("rolling back uncommitted staging directory %s", d)
-            shutil.rmtree(d)
+            loc.delete_dir(d)
             fixed["rolled_back"] += 1
 
 
@@ -324,19 +387,19 @@ def commit_staged(
     """
     n = manifest.commit
     staging = layout.staging(n)
-    staged_rel = lambda p: str(p.relative_to(layout.root))  # noqa: E731
+    staged_rel = lambda p: p[len(layout.root) + 1:]  # noqa: E731
     files: list[CommittedFile] = []
     run_stats: dict[str, RunningStats] = {}
     pending_file = groups_file = None
     late_state = dict(manifest.late_state)
     held_parts: set[str] = set()
     held_prefix = f"state/{HELD_DIR}/"
-    for p in sorted(staging.rglob(f"*{STAGED_SUFFIX}")):
-        rel = str(p.relative_to(staging))[: -len(STAGED_SUFFIX)]
+    for p in sorted(loc.list_files(staging, suffix=STAGED_SUFFIX), key=lambda p: p.split("/")):  # pathlib's order
+        rel = p[len(staging) + 1: -len(STAGED_SUFFIX)]
         if rel.startswith("_counts/"):  # the job's count files (pipelines/counts.py): no part of the commit
             continue
         if rel == f"state/{RUN_STATS_FILE}":
-            run_stats = msgspec.json.decode(p.read_bytes(), type=dict[str, RunningStats])
+            run_stats = msgspec.json.decode(loc.read_bytes(p), type=dict[str, RunningStats])
             continue
         if rel == f"state/{PENDING_FILE}":
             pending_file = layout.pending_file(n)
@@ -356,25 +419,26 @@ def commit_staged(
             held_parts.add(path.rsplit(".", 2)[0])
             files.append(CommittedFile(path=path, staged=staged_rel(p)))
             continue
-        files.append(CommittedFile(path=rel, staged=staged_rel(p), rows=pq.ParquetFile(p).metadata.num_rows))
+        with loc.open_input(p) as f:
+            rows = pq.ParquetFile(f).metadata.num_rows
+        files.append(CommittedFile(path=rel, staged=staged_rel(p), rows=rows))
     # The `group` family of earlier versions is per run now (pipelines.groups): not carried on.
     prior_norm = NormState(recipe_hash=prior_norm.recipe_hash,
                            stats={k: v for k, v in prior_norm.stats.items() if not k.startswith("group/")})
     norm = prior_norm.merged(run_stats)
-    norm_staged = staging / "state" / ("norm.json" + STAGED_SUFFIX)
-    norm_staged.parent.mkdir(parents=True, exist_ok=True)
-    norm_staged.write_bytes(msgspec.json.encode(norm, order="sorted"))
+    norm_staged = loc.join(staging, "state", "norm.json" + STAGED_SUFFIX)
+    with loc.open_output(norm_staged) as f:
+        f.write(msgspec.json.encode(norm, order="sorted"))
     files.append(CommittedFile(path=layout.norm_file, staged=staged_rel(norm_staged)))
     manifest = msgspec.structs.replace(manifest, files=files, pending_file=pending_file, groups_file=groups_file,
                                        held_parts=sorted(held_parts), late_state=late_state,
                                        norm_file=layout.norm_file)
     if crash_at == "before_manifest":
         raise CommitError(f"simulated crash before the manifest of commit {n}")
-    atomic_write(layout.manifests / f"{n:08d}.json", msgspec.json.encode(manifest))
+    _write_manifest(layout, manifest)
     if crash_at == "after_manifest":
         first = files[0]
-        (layout.root / first.path).parent.mkdir(parents=True, exist_ok=True)
-        os.replace(layout.root / first.staged, layout.root / first.path)
+        loc.move(layout.at(first.staged), layout.at(first.path))
         raise CommitError(f"simulated crash after the manifest of commit {n}")
     _roll_forward(layout, manifest)
     if crash_at == "before_delta":
@@ -383,9 +447,27 @@ def commit_staged(
     return manifest
 
 
+def _write_manifest(layout: DatasetLayout, manifest: DatasetManifest) -> None:
+    """Write the commit point: locally tmp + fsync + rename (the commit lock excludes other writers);
+    on an object store create-only (``If-None-Match: *``), so of two runs racing for commit ``n`` one wins.
+
+    Raises:
+        CommitConflict: another run made commit ``n`` first; this run's staging is deleted.
+    """
+    n, path = manifest.commit, loc.join(layout.manifests, f"{manifest.commit:08d}.json")
+    if not layout.remote:
+        loc.write_atomic(path, msgspec.json.encode(manifest))
+        return
+    try:
+        loc.write_new(path, msgspec.json.encode(manifest))
+    except FileExistsError:
+        loc.delete_dir(layout.staging(n))
+        raise CommitConflict.of(n, layout.version, layout.out) from None
+
+
 def load_prior_norm(layout: DatasetLayout) -> NormState:
     """The persisted normalization statistics of a version (empty if none)."""
-    return load_norm_state(layout.root / layout.norm_file, layout.recipe_hash)
+    return load_norm_state(layout.at(layout.norm_file), layout.recipe_hash)
 
 
 @contextlib.contextmanager
@@ -396,8 +478,14 @@ def commit_lock(layout: DatasetLayout, *, waiting: Callable[[], None] | None = N
     which may run in parallel bundles); ``--out`` must support ``flock`` across the writing
     hosts (local disks do; NFS only with lock support). ``waiting`` is called once if the lock
     is held by another writer, before blocking on it.
+
+    An object store has no lock: there this holds nothing, and two runs racing for one commit
+    are resolved by the create-only manifest write (:class:`CommitConflict` for the loser).
     """
-    path = layout.root / "_state" / layout.version / "commit.lock"
+    if layout.remote:
+        yield
+        return
+    path = Path(layout.root) / "_state" / layout.version / "commit.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+b") as f:
         try:
@@ -447,25 +535,32 @@ def committed_episodes(layout: DatasetLayout, manifests: list[DatasetManifest]) 
 
     Evaluation episodes (``evaluations/``) count like training episodes: a replay of their events is a duplicate.
     """
-    paths = [str(layout.root / f.path) for m in manifests for f in m.files
-             if f.path.startswith(("trajectories/", "evaluations/"))]
-    paths = [p for p in paths if Path(p).exists()]
-    if not paths:
+    rels = [f.path for m in manifests for f in m.files if f.path.startswith(("trajectories/", "evaluations/"))]
+    fs, root = loc.filesystem(layout.root)
+    if layout.remote:  # one listing, not a request per file
+        have = {p[len(layout.root) + 1:] for p in loc.list_files(layout.at("trajectories"), suffix=".parquet")
+                + loc.list_files(layout.at("evaluations"), suffix=".parquet")}
+        rels = [r for r in rels if r in have]
+    else:
+        rels = [r for r in rels if os.path.exists(layout.at(r))]
+    if not rels:
         return CommittedEpisodes()
+    paths = [f"{root}/{r}" for r in rels]
     schema = pa.schema([("episode_id", pa.string()), ("complete", pa.bool_())])  # the columns both tables share
-    table = pads.dataset(paths, format="parquet", schema=schema).to_table(columns=["episode_id", "complete"])
+    table = pads.dataset(paths, format="parquet", schema=schema, filesystem=fs).to_table(
+        columns=["episode_id", "complete"])
     is_complete = table.column("complete")
     complete = frozenset(pc.filter(table.column("episode_id"), is_complete).to_pylist())
     seen = frozenset(pc.unique(table.column("episode_id")).to_pylist())
     return CommittedEpisodes(complete=complete, incomplete=seen - complete)
 
 
-def latest_pending_file(layout: DatasetLayout, manifests: list[DatasetManifest]) -> Path | None:
-    """The pending-state file of the newest commit that wrote one (None if there is none)."""
+def latest_pending_file(layout: DatasetLayout, manifests: list[DatasetManifest]) -> str | None:
+    """The location of the pending-state file of the newest commit that wrote one (None if there is none)."""
     for m in reversed(manifests):
         if m.pending_file:
-            path = layout.root / m.pending_file
-            return path if path.exists() else None
+            path = layout.at(m.pending_file)
+            return path if loc.exists(path) else None
     return None
 
 
@@ -478,9 +573,9 @@ def load_held_state(layout: DatasetLayout, manifests: list[DatasetManifest]) -> 
     for m in reversed(manifests):
         if m.groups_file is None:
             continue
-        path = layout.root / m.groups_file
-        missing = [str(p) for p in (path, *(layout.root / f"{b}.{t}.arrow" for b in m.held_parts
-                                             for t in ("trajectories", "steps"))) if not p.exists()]
+        path = layout.at(m.groups_file)
+        missing = [p for p in (path, *(layout.at(f"{b}.{t}.arrow") for b in m.held_parts
+                                       for t in ("trajectories", "steps"))) if not loc.exists(p)]
         if missing:
             raise CommitError(f"commit {m.commit} of {layout.version} names held-group state that is missing: "
                               f"{missing[:3]}; restore it from a backup, or start a new dataset version")
@@ -488,15 +583,15 @@ def load_held_state(layout: DatasetLayout, manifests: list[DatasetManifest]) -> 
         for base in m.held_parts:
             domain_dir, name = base.split("/")[-2:]  # domain=<D>/s<k>
             parts.append(HeldPart(domain=domain_dir[len("domain="):], shard=int(name[1:]),
-                                  base=str(layout.root / base)))
-        return HeldState(groups=msgspec.json.decode(path.read_bytes(), type=GroupState), parts=parts)
+                                  base=layout.at(base)))
+        return HeldState(groups=msgspec.json.decode(loc.read_bytes(path), type=GroupState), parts=parts)
     return HeldState()
 
 
 def held_episode_ids(held: HeldState) -> set[str]:
     """Ids of the episodes whose rows are held (they count as emitted: their events again are duplicates)."""
     return {i for part in held.parts
-            for i in feather.read_table(f"{part.base}.trajectories.arrow", columns=["episode_id"]).column(0).to_pylist()}
+            for i in loc.read_feather(f"{part.base}.trajectories.arrow", columns=["episode_id"]).column(0).to_pylist()}
 
 
 def load_late_state(layout: DatasetLayout, manifests: list[DatasetManifest], *, emitted: Iterable[str],
@@ -517,21 +612,21 @@ def load_late_state(layout: DatasetLayout, manifests: list[DatasetManifest], *, 
     emitted = frozenset(emitted)
     late = frozenset(incomplete) - emitted
     named = list(manifests[-1].late_state) if manifests else []
-    paths = [layout.root / rel for rel in named]
-    missing = [str(p) for p in paths if not p.exists()]
+    paths = [layout.at(rel) for rel in named]
+    missing = [p for p in paths if not loc.exists(p)]
     if missing:
         raise CommitError(f"commit {manifests[-1].commit} of {layout.version} names late state that is missing: "
                           f"{missing[:3]}; restore it from a backup (or its episodes' late events are `expired`)")
-    index = late_state_index([str(p) for p in paths], skip=emitted)
+    index = late_state_index(paths, skip=emitted)
     stored = {e: ref for e, ref in index.items() if e in late and ref.last_s + retention_s >= clock_s}
-    return LateState(incomplete=late, stored=stored, files=tuple(str(p) for p in paths))
+    return LateState(incomplete=late, stored=stored, files=tuple(paths))
 
 
 #: Late-state files a commit carries before it merges them into its own (one read of the live state).
 LATE_STATE_MAX_FILES = 16
 
 
-def carry_late_state(layout: DatasetLayout, last: DatasetManifest | None, staging: Path, *, clock_s: float,
+def carry_late_state(layout: DatasetLayout, last: DatasetManifest | None, staging: str | Path, *, clock_s: float,
                      retention_s: float, drop: Iterable[str] | Callable[[], Iterable[str]] = ()) -> dict[str, float]:
     """The late-state files of ``last`` that the next commit keeps (for its manifest's ``late_state``).
 
@@ -552,22 +647,24 @@ def carry_late_state(layout: DatasetLayout, last: DatasetManifest | None, stagin
             returns them (called only when the files are merged).
     """
     kept = {p: t for p, t in (last.late_state if last else {}).items() if t + retention_s >= clock_s}
-    staged = staging / "state" / (LATE_STATE_FILE + STAGED_SUFFIX)
-    if len(kept) + staged.exists() <= LATE_STATE_MAX_FILES:
+    staging = os.fspath(staging)
+    staged = loc.join(staging, "state", LATE_STATE_FILE + STAGED_SUFFIX)
+    staged_exists = loc.exists(staged)
+    if len(kept) + staged_exists <= LATE_STATE_MAX_FILES:
         return kept
-    tables = [feather.read_table(staged)] if staged.exists() else []
+    tables = [loc.read_feather(staged)] if staged_exists else []
     done = set(drop() if callable(drop) else drop)
     done |= set(tables[0].column("episode_id").to_pylist()) if tables else set()
-    paths = [str(layout.root / p) for p in kept]
+    paths = [layout.at(p) for p in kept]
     index = late_state_index(paths, skip=done)
     by_file: dict[int, list[int]] = {}
     for ref in index.values():
         if ref.last_s + retention_s >= clock_s:
             by_file.setdefault(ref.file, []).extend(range(ref.start, ref.start + ref.rows))
     for i, rows in sorted(by_file.items()):
-        tables.append(feather.read_table(paths[i]).take(pa.array(sorted(rows), pa.int64())))
+        tables.append(loc.read_feather(paths[i]).take(pa.array(sorted(rows), pa.int64())))
     merged = pa.concat_tables(tables).sort_by([("episode_id", "ascending"), ("seq", "ascending")])
-    staged.parent.mkdir(parents=True, exist_ok=True)
-    feather.write_feather(merged, staged, compression="uncompressed")
-    _LOG.info("late state: merged %d files (%d events) into commit %s's", len(kept), merged.num_rows, staging.name)
+    loc.write_feather(merged, staged)
+    _LOG.info("late state: merged %d files (%d events) into commit %s's", len(kept), merged.num_rows,
+              staging.rsplit("/", 1)[-1])
     return {}

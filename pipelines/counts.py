@@ -38,7 +38,7 @@ from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
 from pipelines.types import METRICS_NAMESPACE
-from schemas.storage import atomic_write
+from schemas import locations as loc
 
 __all__ = ["COUNTS_TAG", "COUNTS_DIR", "CLOCK_KEY", "BundleCounts", "StageCounts", "sum_counts",
            "write_counts_file", "read_staged_counts"]
@@ -107,9 +107,8 @@ def sum_counts(dicts: Iterable[Mapping[str, int]]) -> dict[str, int]:
 
 def write_counts_file(staging: str | Path, name: str, counts: Mapping[str, float]) -> str:
     """Write ``<staging>/_counts/<name>.json`` (atomically; a retry of a single writer rewrites the same file)."""
-    path = Path(staging) / COUNTS_DIR / f"{name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, msgspec.json.encode(dict(sorted(counts.items()))))
+    loc.write_atomic(loc.join(str(staging), COUNTS_DIR, f"{name}.json"),
+                     msgspec.json.encode(dict(sorted(counts.items()))))
     return f"{COUNTS_DIR}/{name}.json"
 
 
@@ -119,13 +118,15 @@ def read_staged_counts(staging: str | Path) -> tuple[dict[str, int], float | Non
     Raises:
         FileNotFoundError: the job wrote no ``bundles.json`` (it did not run to the end).
     """
-    d = Path(staging) / COUNTS_DIR
-    if not (d / "bundles.json").exists():
-        raise FileNotFoundError(f"{d / 'bundles.json'} is missing: the job's StageCounts step did not run")
+    d = loc.join(str(staging), COUNTS_DIR)
+    if not loc.exists(loc.join(d, "bundles.json")):
+        raise FileNotFoundError(f"{loc.join(d, 'bundles.json')} is missing: the job's StageCounts step did not run")
     total: Counter = Counter()
     clock = None
-    for path in sorted(d.glob("*.json")):
-        counts = msgspec.json.decode(path.read_bytes(), type=dict[str, float])
+    for path in loc.list_files(d, suffix=".json"):
+        if path.rsplit("/", 1)[-1].startswith("."):  # a temporary file of an interrupted write
+            continue
+        counts = msgspec.json.decode(loc.read_bytes(path), type=dict[str, float])
         if CLOCK_KEY in counts:
             clock = counts.pop(CLOCK_KEY)
         total.update({k: int(v) for k, v in counts.items()})

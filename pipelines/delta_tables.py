@@ -32,7 +32,12 @@ No checkpoints (see :mod:`schemas.delta`, which makes the transactions): a Parqu
 Concurrent writers: different dataset versions (recipes) on one ``<out>`` append to the same
 Delta tables; delta-rs resolves concurrent appends with optimistic concurrency (blind appends do
 not conflict; it retries the commit on the next log version). Two runs of one version are
-serialized by :func:`pipelines.commit.commit_lock` before they get here.
+serialized by :func:`pipelines.commit.commit_lock` before they get here (locally), or by the
+create-only manifest write (object stores); a recovery that makes the same commit's transaction
+at the same time as its run finds it made and skips it.
+
+``<out>`` may be a local directory or ``s3://BUCKET/PREFIX``: the tables are then
+``s3://.../<table>``, opened with :func:`schemas.storage.delta_storage_options`.
 
 References: Delta Lake transaction protocol (``txn`` action, ``commitInfo``),
 https://github.com/delta-io/delta/blob/master/PROTOCOL.md.
@@ -48,11 +53,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from schemas.delta import META_PREFIX, add_files, batches, txn_version
+from schemas.locations import join
 
 if TYPE_CHECKING:
     from pipelines.commit import CommittedFile, DatasetManifest
@@ -100,8 +107,8 @@ def _metadata(manifest: DatasetManifest) -> dict[str, str]:
     }.items()}
 
 
-def _commit_table(root: Path, table: str, files: list[CommittedFile], manifest: DatasetManifest) -> int | None:
-    return add_files(root / table, [(f.path.split("/", 1)[1], f.rows) for f in files],
+def _commit_table(root: str, table: str, files: list[CommittedFile], manifest: DatasetManifest) -> int | None:
+    return add_files(join(root, table), [(f.path.split("/", 1)[1], f.rows) for f in files],
                      app_id=app_id(manifest.version), version=manifest.commit, metadata=_metadata(manifest))
 
 
@@ -113,7 +120,7 @@ def publish_commit(root: Path | str, manifest: DatasetManifest) -> dict[str, int
     Raises:
         schemas.delta.DeltaCommitError: a table refused the transaction.
     """
-    root = Path(root)
+    root = os.fspath(root)
     done = {}
     for table, files in sorted(_table_files(manifest).items()):
         version = _commit_table(root, table, files, manifest)
@@ -128,14 +135,14 @@ def roll_forward(root: Path | str, manifests: Iterable[DatasetManifest]) -> int:
     Returns:
         How many table transactions were made (0 when every table was up to date).
     """
-    root = Path(root)
+    root = os.fspath(root)
     manifests = sorted(manifests, key=lambda m: m.commit)
     if not manifests:
         return 0
     app = app_id(manifests[0].version)
     made = 0
     for table in DATA_TABLES:
-        have = txn_version(root / table, app)
+        have = txn_version(join(root, table), app)
         for m in manifests:
             files = _table_files(m).get(table)
             if m.commit <= have or not files:
@@ -162,7 +169,7 @@ def table_versions_at(root: Path | str, version: str, commit: int) -> dict[str, 
     out = {}
     for table in DATA_TABLES:
         best = None
-        for b in delta_batches(Path(root) / table):
+        for b in delta_batches(join(os.fspath(root), table)):
             if b["version"] == version and int(b["commit"]) <= commit:
                 best = int(b["table_version"])
         if best is not None:

@@ -49,12 +49,11 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
-import pyarrow.feather as feather
-import pyarrow.parquet as pq
 from apache_beam.metrics import Metrics
 
 from pipelines.recipes import Recipe
 from pipelines.types import METRICS_NAMESPACE
+from schemas import locations as loc
 from schemas.events import Event, Feedback
 from schemas.feedback import CorrectionRow, FeedbackRow, correction_file_schema, feedback_file_schema
 
@@ -174,12 +173,12 @@ def feedback_path(version: str, commit: int) -> str:
 
 def committed_feedback_ids(out: str | Path, manifests: Sequence[Any]) -> frozenset[str]:
     """``event_id`` of every feedback row the version's commits hold (what a new commit must not repeat)."""
-    paths = [Path(out) / f.path for m in manifests for f in m.files if f.path.startswith("feedback/")]
+    paths = [loc.join(str(out), f.path) for m in manifests for f in m.files if f.path.startswith("feedback/")]
     if not paths:
         return frozenset()
     ids: set[str] = set()
     for p in paths:
-        ids.update(pq.read_table(p, columns=["event_id"]).column(0).to_pylist())
+        ids.update(loc.read_parquet(p, columns=["event_id"]).column(0).to_pylist())
     return frozenset(ids)
 
 
@@ -210,7 +209,7 @@ def write_feedback_file(items: Iterable[tuple[Feedback, bool]], staging: str | P
     rows = [feedback_row(fb, recipe=recipe.version, applied=attached and apply)
             for fb, attached in sorted(by_id.values(), key=lambda x: (x[0].episode_id, x[0].event_id))]
     rel = feedback_path(recipe.version, commit)
-    _write_parquet(_rows_table(rows, feedback_file_schema()), Path(staging) / (rel + _STAGED_SUFFIX))
+    _write_parquet(_rows_table(rows, feedback_file_schema()), loc.join(str(staging), rel + _STAGED_SUFFIX))
     return [rel], len(rows), dups
 
 
@@ -220,7 +219,7 @@ def _rows_table(rows: Sequence[msgspec.Struct], schema: pa.Schema) -> pa.Table:
     return rows_to_table(rows, schema)
 
 
-def _write_parquet(table: pa.Table, path: Path) -> None:
+def _write_parquet(table: pa.Table, path: str) -> None:
     from pipelines.sinks import write_parquet
 
     write_parquet(table, path)
@@ -306,17 +305,17 @@ _STEP_COLUMNS = ["episode_id", "step_index", "observation_token_ids", "action_to
                  "top_p", "top_k", "event_time"]
 
 
-def _steps_of(files: Sequence[Path], episode_ids: set[str]) -> dict[str, dict[int, dict[str, Any]]]:
+def _steps_of(files: Sequence[str], episode_ids: set[str]) -> dict[str, dict[int, dict[str, Any]]]:
     """episode id -> step index -> row (the columns above), from steps Parquet files or held Arrow parts."""
     found: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
     if not episode_ids:
         return found
     want = pa.array(sorted(episode_ids), type=pa.string())
     for path in files:
-        if path.name.endswith((".arrow", ".arrow" + _STAGED_SUFFIX)):
-            table = feather.read_table(path)
+        if path.endswith((".arrow", ".arrow" + _STAGED_SUFFIX)):
+            table = loc.read_feather(path)
         else:
-            table = pq.read_table(path, columns=_STEP_COLUMNS)
+            table = loc.read_parquet(path, columns=_STEP_COLUMNS)
         table = table.filter(pads.field("episode_id").isin(want)) if table.num_rows else table
         for row in table.select(_STEP_COLUMNS).to_pylist():
             found[row["episode_id"]][row["step_index"]] = row
@@ -357,25 +356,25 @@ def stage_corrections(out: str | Path, staging: str | Path, *, recipe: Recipe, c
     """
     from rollout.context import model_input_of
 
-    staging = Path(staging)
-    fb_file = staging / (feedback_path(recipe.version, commit) + _STAGED_SUFFIX)
+    staging = str(staging)
+    fb_file = loc.join(staging, feedback_path(recipe.version, commit) + _STAGED_SUFFIX)
     counts = {"corrections": 0, "corrections_unresolved": 0}
-    if not fb_file.is_file():
+    if not loc.is_file(fb_file):
         return counts
-    fb = pq.read_table(fb_file).filter(pads.field("correction").is_valid()).to_pylist()
+    fb = loc.read_parquet(fb_file).filter(pads.field("correction").is_valid()).to_pylist()
     if not fb:
         return counts
     if tokenizer is None:
         _LOG.warning("%d corrections not turned into samples: no --tokenizer given", len(fb))
         counts["corrections_unresolved"] = len(fb)
         return counts
-    root = Path(out)
-    files = sorted(staging.glob("steps/**/*.parquet" + _STAGED_SUFFIX)) + sorted(staging.glob("**/*.steps.arrow"
-                                                                                              + _STAGED_SUFFIX))
-    files += [root / f.path for m in manifests for f in m.files if f.path.startswith("steps/")]
-    if manifests and manifests[-1].held_parts and not any(staging.glob("**/*.steps.arrow" + _STAGED_SUFFIX)):
-        files += [root / f"{base}.steps.arrow" for base in manifests[-1].held_parts]
-    steps = _steps_of([f for f in files if f.is_file()], {r["episode_id"] for r in fb})
+    root = str(out)
+    held_staged = loc.list_files(staging, suffix=".steps.arrow" + _STAGED_SUFFIX)
+    files = loc.list_files(loc.join(staging, "steps"), suffix=".parquet" + _STAGED_SUFFIX) + held_staged
+    files += [loc.join(root, f.path) for m in manifests for f in m.files if f.path.startswith("steps/")]
+    if manifests and manifests[-1].held_parts and not held_staged:
+        files += [loc.join(root, f"{base}.steps.arrow") for base in manifests[-1].held_parts]
+    steps = _steps_of([f for f in files if loc.is_file(f)], {r["episode_id"] for r in fb})
     eos = tokenizer.eos_token_id
     by_domain: dict[str, list[CorrectionRow]] = defaultdict(list)
     for r in fb:
@@ -416,7 +415,7 @@ def stage_corrections(out: str | Path, staging: str | Path, *, recipe: Recipe, c
     for domain, rows in sorted(by_domain.items()):
         rows.sort(key=lambda c: c.episode_id)
         rel = f"corrections/recipe={recipe.version}/domain={domain}/c{commit:08d}.parquet"
-        _write_parquet(_rows_table(rows, correction_file_schema()), staging / (rel + _STAGED_SUFFIX))
+        _write_parquet(_rows_table(rows, correction_file_schema()), loc.join(staging, rel + _STAGED_SUFFIX))
         counts["corrections"] += len(rows)
     return counts
 

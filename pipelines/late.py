@@ -42,10 +42,10 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.feather as feather
 
 from schemas.arrow import events_to_table
 from schemas.events import Event
+from schemas.locations import join, read_feather, write_feather
 
 __all__ = [
     "LATE_TAG",
@@ -138,7 +138,7 @@ class LateStateReader:
             return []
         table = self._tables.get(ref.file)
         if table is None:
-            table = self._tables[ref.file] = feather.read_table(self._state.files[ref.file], memory_map=True)
+            table = self._tables[ref.file] = read_feather(self._state.files[ref.file], memory_map=True)
         frags, _ = table_to_fragments(table.slice(ref.start, ref.rows))  # written by us from valid events
         return sorted((e for _, evs in frags for e in evs), key=lambda e: e.seq)
 
@@ -151,7 +151,7 @@ def late_state_index(paths: Sequence[str], *, skip: Iterable[str] = ()) -> dict[
     skip = set(skip)
     out: dict[str, StoredEpisode] = {}
     for i, path in enumerate(paths):
-        t = feather.read_table(path, columns=["episode_id", "event_time"], memory_map=True)
+        t = read_feather(path, columns=["episode_id", "event_time"], memory_map=True)
         if not t.num_rows:
             continue
         us = pc.cast(pc.cast(t["event_time"], pa.timestamp("us", tz="UTC")), pa.int64())
@@ -165,7 +165,7 @@ def late_state_index(paths: Sequence[str], *, skip: Iterable[str] = ()) -> dict[
 
 def late_state_newest_s(path: str | Path) -> float:
     """Newest event time (epoch seconds) in a late-state file (0.0 when empty)."""
-    t = feather.read_table(str(path), columns=["event_time"], memory_map=True)
+    t = read_feather(str(path), columns=["event_time"], memory_map=True)
     if not t.num_rows:
         return 0.0
     return pc.max(pc.cast(pc.cast(t["event_time"], pa.timestamp("us", tz="UTC")), pa.int64())).as_py() / 1e6
@@ -203,13 +203,11 @@ def write_late_files(items: Sequence[LateEpisode], staging: str | Path, *, versi
     out: list[str] = []
     if any(i.late for i in items):
         rel = late_table_path(version=version, commit=commit)
-        write_parquet(_late_table(items), Path(staging) / (rel + suffix))
+        write_parquet(_late_table(items), join(str(staging), rel + suffix))
         out.append(rel)
     stored = sorted((i for i in items if i.store), key=lambda i: i.episode_id)
     if stored:
-        path = Path(staging) / "state" / (LATE_STATE_FILE + suffix)
-        path.parent.mkdir(parents=True, exist_ok=True)
         events = [e for i in stored for e in sorted(i.store, key=lambda e: e.seq)]
-        feather.write_feather(events_to_table(events), path, compression="uncompressed")
+        write_feather(events_to_table(events), join(str(staging), "state", LATE_STATE_FILE + suffix))
         out.append("state/" + LATE_STATE_FILE)
     return out

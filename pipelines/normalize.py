@@ -142,11 +142,13 @@ class NormState(msgspec.Struct, kw_only=True):
         return NormState(recipe_hash=self.recipe_hash, stats=out)
 
 
-def load_norm_state(path: Path, recipe_hash: str) -> NormState:
-    """The persisted state at ``path``, or an empty one."""
-    if not path.exists():
+def load_norm_state(path: str | Path, recipe_hash: str) -> NormState:
+    """The persisted state at ``path`` (a location: :mod:`schemas.locations`), or an empty one."""
+    from schemas import locations as loc
+
+    if not loc.exists(path):
         return NormState(recipe_hash=recipe_hash)
-    return msgspec.json.decode(path.read_bytes(), type=NormState)
+    return msgspec.json.decode(loc.read_bytes(path), type=NormState)
 
 
 class StatsCombineFn(beam.CombineFn):

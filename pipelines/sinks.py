@@ -37,7 +37,6 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.feather as feather
 import pyarrow.parquet as pq
 from apache_beam.metrics import Metrics
 from apache_beam.transforms.window import GlobalWindow
@@ -76,6 +75,7 @@ from schemas.datasets import (
 )
 from schemas.deadletter import DeadLetter
 from schemas.events import Step
+from schemas.locations import delete_file, join, open_output, read_feather, write_feather
 
 __all__ = [
     "WriteDatasets",
@@ -386,22 +386,22 @@ def row_group_starts(episode_ids: pa.Array | pa.ChunkedArray, *, target: int = R
     return out
 
 
-def write_parquet(table: pa.Table, path: Path, *, row_group_rows: int = ROW_GROUP_ROWS) -> None:
+def write_parquet(table: pa.Table, path: str | Path, *, row_group_rows: int = ROW_GROUP_ROWS) -> None:
     """Write a dataset file; with an ``episode_id`` column (sorted), row groups hold whole episodes.
 
     zstd; dictionary pages and min/max statistics for the scalar columns only
     (ids, names: few distinct values, and min/max lets readers skip row
-    groups); token and logprob lists are near-unique and only cost time there.
+    groups); token and logprob lists are near-unique and only cost time there. ``path`` is a
+    location (:mod:`schemas.locations`: a local path or an ``s3://`` URI).
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
     scalar = [f.name for f in table.schema if not pa.types.is_list(f.type)]
     if "episode_id" in table.column_names:
         starts = row_group_starts(table["episode_id"], target=row_group_rows)
     else:
         starts = list(range(0, max(table.num_rows, 1), row_group_rows))
     ends = [*starts[1:], table.num_rows]
-    with pq.ParquetWriter(path, table.schema, compression="zstd", use_dictionary=scalar,
-                          write_statistics=scalar) as writer:
+    with open_output(path) as sink, pq.ParquetWriter(sink, table.schema, compression="zstd", use_dictionary=scalar,
+                                                     write_statistics=scalar) as writer:
         for start, end in zip(starts, ends):
             writer.write_table(table.slice(start, end - start), row_group_size=max(end - start, 1))
 
@@ -425,7 +425,7 @@ def write_shard(staging: str | Path, version: str, commit: int, domain: str, sha
         if data.num_rows == 0:
             continue
         rel = final_path(table, version=version, domain=domain, commit=commit, shard=shard)
-        write_parquet(data, Path(staging) / (rel + STAGED_SUFFIX))
+        write_parquet(data, join(str(staging), rel + STAGED_SUFFIX))
         out.append(rel)
     return out
 
@@ -476,9 +476,7 @@ def finalize_shard(staging: str | Path, version: str, commit: int, domain: str, 
             for table, data in (("trajectories", _sorted(held_trajs, [("episode_id", "ascending")])),
                                 ("steps", _sorted(held_steps, [("episode_id", "ascending"),
                                                                ("step_index", "ascending")]))):
-                path = Path(staging) / f"{base}.{table}.arrow{STAGED_SUFFIX}"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                feather.write_feather(data, path, compression="uncompressed")
+                write_feather(data, join(str(staging), f"{base}.{table}.arrow{STAGED_SUFFIX}"))
                 files.append(f"{base}.{table}.arrow")
     files += write_shard(staging, version, commit, domain, shard, trajs, steps, stats=groups.norm,
                          groups=groups.released, mode=mode, eps=eps)
@@ -525,19 +523,18 @@ class _StageRowsFn(beam.DoFn):
     def _flush(self) -> Iterator[Any]:
         for key, episodes in sorted(self._buf.items()):
             trajs, steps = episodes_to_tables(episodes, self._recipe)  # in order: the merge rarely re-sorts
-            base = Path(self._staging) / "_parts" / uuid.uuid4().hex
-            base.parent.mkdir(parents=True, exist_ok=True)
-            feather.write_feather(trajs, f"{base}.trajectories.arrow", compression="uncompressed")
-            feather.write_feather(steps, f"{base}.steps.arrow", compression="uncompressed")
+            base = join(self._staging, "_parts", uuid.uuid4().hex)
+            write_feather(trajs, f"{base}.trajectories.arrow")
+            write_feather(steps, f"{base}.steps.arrow")
             for kv in group_stats_of_tables(trajs, steps, domain=key[0]).items():
                 yield beam.pvalue.TaggedOutput(STATS_TAG, kv)
-            yield key, str(base)
+            yield key, base
         self._buf, self._n = {}, 0
 
 
 def _read_parts(bases: Sequence[str]) -> tuple[pa.Table, pa.Table]:
-    trajs = pa.concat_tables([feather.read_table(f"{b}.trajectories.arrow", memory_map=True) for b in bases])
-    steps = pa.concat_tables([feather.read_table(f"{b}.steps.arrow", memory_map=True) for b in bases])
+    trajs = pa.concat_tables([read_feather(f"{b}.trajectories.arrow", memory_map=True) for b in bases])
+    steps = pa.concat_tables([read_feather(f"{b}.steps.arrow", memory_map=True) for b in bases])
     return trajs, steps
 
 
@@ -632,11 +629,11 @@ class _FinalizeShardFn(beam.DoFn):
         trajs, steps = _read_parts(bases)
         out = finalize_shard(self._staging, self._version, self._commit, domain, shard, trajs, steps, groups,
                              mode=self._mode, eps=self._eps)
-        staged_parts = str(Path(self._staging) / "_parts")
+        staged_parts = join(self._staging, "_parts")
         for b in bases:
             if b.startswith(staged_parts):  # never the last commit's held parts: committed state
                 for table in ("trajectories", "steps"):
-                    Path(f"{b}.{table}.arrow").unlink(missing_ok=True)
+                    delete_file(f"{b}.{table}.arrow")
         return out
 
 
@@ -669,10 +666,11 @@ class _StageGroupStateFn(beam.DoFn):
 
 
 def _write_group_state(groups: CommitGroups, staging: str | Path) -> Iterator[str]:
-    state = Path(staging) / "state"
-    state.mkdir(parents=True, exist_ok=True)
-    (state / (GROUPS_FILE + STAGED_SUFFIX)).write_bytes(msgspec.json.encode(GroupState.of(groups.held)))
-    (state / (RUN_STATS_FILE + STAGED_SUFFIX)).write_bytes(msgspec.json.encode(groups.run))
+    state = join(str(staging), "state")
+    for name, data in ((GROUPS_FILE, msgspec.json.encode(GroupState.of(groups.held))),
+                       (RUN_STATS_FILE, msgspec.json.encode(groups.run))):
+        with open_output(join(state, name + STAGED_SUFFIX)) as f:
+            f.write(data)
     yield "state/" + GROUPS_FILE
     yield "state/" + RUN_STATS_FILE
 
@@ -684,7 +682,7 @@ def _write_incomplete(trajs: list[TrajectoryRow], staging: str, version: str, co
     for domain in sorted(by_domain):
         rows = sorted(by_domain[domain], key=lambda tr: tr.episode_id)
         rel = incomplete_path(version=version, domain=domain, commit=commit)
-        write_parquet(rows_to_table(rows, trajectory_file_schema()), Path(staging) / (rel + STAGED_SUFFIX))
+        write_parquet(rows_to_table(rows, trajectory_file_schema()), join(staging, rel + STAGED_SUFFIX))
         yield rel
 
 
@@ -695,7 +693,7 @@ def _write_evaluations(rows: list[EvaluationRow], staging: str, version: str, co
     for domain in sorted(by_domain):
         ordered = sorted(by_domain[domain], key=lambda r: (r.episode_id, r.complete))
         rel = evaluations_path(version=version, domain=domain, commit=commit)
-        write_parquet(rows_to_table(ordered, evaluation_file_schema()), Path(staging) / (rel + STAGED_SUFFIX))
+        write_parquet(rows_to_table(ordered, evaluation_file_schema()), join(staging, rel + STAGED_SUFFIX))
         yield rel
 
 
@@ -704,7 +702,7 @@ def _write_dead_letters(letters: list[DeadLetter], staging: str, version: str, c
         return
     letters = sorted(letters, key=lambda d: (d.source_topic, d.source_partition, d.source_offset, d.reason, d.message))
     rel = f"dead_letters/recipe={version}/c{commit:08d}.parquet"
-    write_parquet(rows_to_table(letters, _DEAD_LETTER_SCHEMA), Path(staging) / (rel + STAGED_SUFFIX))
+    write_parquet(rows_to_table(letters, _DEAD_LETTER_SCHEMA), join(staging, rel + STAGED_SUFFIX))
     yield rel
 
 
@@ -716,9 +714,7 @@ def _write_pending(fragments: list[tuple[str, list]], staging: str) -> Iterator[
     if not fragments:
         return
     events = [e for _, evs in sorted(fragments, key=lambda f: f[0]) for e in sorted(evs, key=lambda e: e.seq)]
-    path = Path(staging) / "state" / (PENDING_FILE + STAGED_SUFFIX)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    feather.write_feather(events_to_table(events), path, compression="uncompressed")
+    write_feather(events_to_table(events), join(staging, "state", PENDING_FILE + STAGED_SUFFIX))
     yield "state/" + PENDING_FILE
 
 

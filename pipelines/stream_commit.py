@@ -52,7 +52,6 @@ from typing import Any
 
 import apache_beam as beam
 import msgspec
-import pyarrow.parquet as pq
 from apache_beam.metrics import Metrics
 from apache_beam.transforms import trigger, window
 from apache_beam.utils.windowed_value import PaneInfoTiming
@@ -75,6 +74,7 @@ from pipelines.late import DEFAULT_LATE_RETENTION_S
 from pipelines.recipes import Recipe
 from pipelines.sinks import STAGED_SUFFIX, stage_files
 from pipelines.types import METRICS_NAMESPACE, RawRecords
+from schemas.locations import join, parquet_rows
 
 __all__ = ["CommitWindows", "CommitPending", "batch_offsets", "merge_offsets"]
 
@@ -195,7 +195,7 @@ class _CommitPaneFn(beam.DoFn):
                                  group_timeout_s=self._timeout_s, shards=self._shards)
             feedback = self._stage_feedback(got["feedback"], n, manifests)
             # Steps written: this pane's released groups plus the held members released with them.
-            steps = sum(pq.ParquetFile(layout.staging(n) / (f + STAGED_SUFFIX)).metadata.num_rows
+            steps = sum(parquet_rows(join(layout.staging(n), f + STAGED_SUFFIX))
                         for f in staged.files if f.startswith("steps/"))
             eval_done = [e for e in evals if e.complete]
             eval_open = [e for e in evals if not e.complete]

@@ -31,6 +31,11 @@ filesystem the workers and the driver share::
     python -m pipelines.trajectory_job --source archive --archive /shared/archive --out /shared/datasets \\
         --runner FlinkRunner --flink_master flink:8081 --environment_type DOCKER
 
+or, in batch mode, an S3-compatible store, which the workers write to directly
+(the AWS variables of docs/storage.md in the driver's and the workers' environment)::
+
+    python -m pipelines.trajectory_job --source kafka --bootstrap 127.0.0.1:9092 --out s3://bucket/datasets
+
 GRPO groups whose members have not all arrived are held (not written) until
 they have, or for ``--group-timeout`` seconds of event time (pipelines/groups.py)::
 
@@ -72,6 +77,7 @@ import json
 import os
 import logging
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, List, NoReturn, Tuple
@@ -87,6 +93,7 @@ from pipelines.assemble import EVENT_TIME_METRIC, INCOMPLETE_TAG, PENDING_TAG
 from pipelines.late import DEFAULT_LATE_RETENTION_S, LATE_TAG
 from pipelines.clip import ClipTrajectories
 from pipelines.commit import (
+    CommitConflict,
     DatasetLayout,
     DatasetManifest,
     carry_late_state,
@@ -126,7 +133,9 @@ from pipelines.sinks import STAGED_SUFFIX, WriteDatasets
 from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE, RawRecords
 from pipelines.verify import VerifySteps
 from schemas.events import Event
-from schemas.storage import StorageError, local_path
+from schemas import locations as loc
+from schemas.locations import filesystem, is_remote
+from schemas.storage import StorageError, local_path, scheme_of
 from streams.config import KafkaConnection, Topics
 from streams.errors import KafkaUnavailable, check_kafka, kafka_access_errors
 from streams.consumer import StreamTimeoutError
@@ -178,7 +187,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--bootstrap", help="Kafka bootstrap servers (--source kafka)")
     parser.add_argument("--topic", default=None, help="events topic (default: settings' topics.events)")
     parser.add_argument("--archive", help="event archive directory (--source archive)")
-    parser.add_argument("--out", required=True, help="dataset root directory")
+    parser.add_argument("--out", required=True, help="dataset root: a directory, or s3://BUCKET/PREFIX (--mode batch)")
     parser.add_argument("--mode", choices=("batch", "stream"), default="batch")
     parser.add_argument("--recipe", default="outcome", help="builtin recipe name or YAML file")
     parser.add_argument("--runner", default=None, help="Beam runner (default FnApiRunner for batch)")
@@ -219,12 +228,23 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for flag in ("out", "archive"):  # first, before any Kafka read or manifest: the sinks write local files only
+    # First, before any Kafka read or manifest. A batch run writes `--out` through schemas.locations (a local
+    # directory or s3://); the streaming job's commits and the archive reader are local-only.
+    local_flags = ("out", "archive") if args.mode == "stream" else ("archive",)
+    for flag in local_flags:
         if getattr(args, flag):
             try:
                 setattr(args, flag, str(local_path(getattr(args, flag), flag=f"--{flag}")))
             except StorageError as err:
-                raise JobError(f"{err} (see `trajpipe pipeline run --help`)") from err
+                hint = "; `--mode batch` writes s3://" if flag == "out" and scheme_of(args.out) == "s3" else ""
+                raise JobError(f"{err}{hint} (see `trajpipe pipeline run --help`)") from err
+    if args.mode != "stream" and args.out:
+        try:
+            filesystem(args.out)  # refuses gs://, az://, ... naming the scheme
+        except StorageError as err:
+            raise JobError(f"`--out` {err} (see `trajpipe pipeline run --help`)") from err
+        if not is_remote(args.out):
+            args.out = str(local_path(args.out, flag="--out"))
     if args.mode == "stream":
         runner = args.runner or "PrismRunner"
         if runner in ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner"):
@@ -245,7 +265,7 @@ def _check(args: argparse.Namespace) -> None:
                        "end offsets it saw at start")
     if args.source == "archive" and not args.archive:
         raise JobError("`--archive` is required with --source archive")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
+    if not is_remote(args.out) and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise JobError(f"`--out` {args.out} is a file, not a directory; give the dataset root directory")
     if args.source == "kafka" and not args.bootstrap:
         raise JobError("`--bootstrap` is required with --source kafka")
@@ -314,11 +334,9 @@ class _ReadPendingFn(beam.DoFn):
         self._n = beam.metrics.Metrics.counter(METRICS_NAMESPACE, "events_pending_in")
 
     def process(self, path: str):
-        import pyarrow.feather as feather
-
         from pipelines.archive_source import table_to_fragments
 
-        table = feather.read_table(path)
+        table = loc.read_feather(path)
         frags, _ = table_to_fragments(table)  # written by us from valid events: no dead letters
         self._n.inc(table.num_rows)
         yield from frags
@@ -335,6 +353,11 @@ def run_batch(*, out: str | Path, recipe: Recipe, **kwargs: Any) -> dict[str, in
     first left uncovered and commits that: disjoint work, nothing lost, nothing twice. Runs of
     different versions do not wait for each other; their Delta transactions on the shared
     tables are resolved by delta-rs' optimistic concurrency. Arguments: :func:`_run_batch_locked`.
+
+    On an object store (``s3://``) there is no lock: each run stages under its own name and
+    writes its manifest create-only, so of two runs racing for commit ``n`` one commits and the
+    other raises :class:`pipelines.commit.CommitConflict` with its staging deleted (a rerun
+    continues from the winner's commit); a run that starts after a commit reads what it left.
     """
     layout = DatasetLayout(out=str(out), version=recipe.version, recipe_hash=recipe.content_hash)
     with commit_lock(layout, waiting=lambda: _LOG.warning(
@@ -387,7 +410,8 @@ def _run_batch_locked(
     Returns:
         The counts (keys :data:`COUNT_KEYS`); all zero when there was no new input.
     """
-    layout = DatasetLayout(out=str(out), version=recipe.version, recipe_hash=recipe.content_hash)
+    layout = DatasetLayout(out=str(out), version=recipe.version, recipe_hash=recipe.content_hash,
+                           run=uuid.uuid4().hex[:12] if is_remote(out) else "")
     fixed = recover(layout)
     manifests = read_manifests(layout)
     last = manifests[-1] if manifests else None
@@ -423,9 +447,10 @@ def _run_batch_locked(
                 "episodes_held": sum(g.stats.episodes for g in held.groups.held)}
 
     prior = load_prior_norm(layout)
-    pending_path = str(layout.root / last.pending_file) if last and last.pending_file else None
+    pending_path = layout.at(last.pending_file) if last and last.pending_file else None
     staging = layout.staging(commit)
-    staging.mkdir(parents=True, exist_ok=True)
+    if not layout.remote:
+        os.makedirs(staging, exist_ok=True)
     _LOG.info("commit %d of %s: %s input, pending=%s, %d groups held", commit, recipe.version, source,
               pending_path, len(held.groups.held))
 
@@ -496,17 +521,26 @@ def _run_batch_locked(
     # The counts as data, staged beside the files (pipelines/counts.py): exact whatever the runner's metrics.
     _ = ((read[COUNTS_TAG], assembled[COUNTS_TAG], *(pr[COUNTS_TAG] for pr in processed)), assembled[CLOCK_TAG]) \
         | "StageCounts" >> StageCounts(staging)
-    result = p.run()
-    result.wait_until_finish()
-    counts, run_clock_s = _counts_from_files(staging, pending_path)
-    _compare_with_metrics(counts, result)
-    counts.update(stage_corrections(out, staging, recipe=recipe, commit=commit, manifests=manifests,
-                                    tokenizer=load_correction_tokenizer(tokenizer) if tokenizer else None,
-                                    tokenizer_name=str(tokenizer or "")))
-    manifest.counts = counts
-    manifest.clock_s = max(clock_s, run_clock_s)
-    manifest.late_state = carry_late_state(layout, last, staging, clock_s=manifest.clock_s,
-                                           retention_s=late_retention_s, drop=lambda: committed.load().emitted)
+    try:
+        result = p.run()
+        result.wait_until_finish()
+        counts, run_clock_s = _counts_from_files(staging, pending_path)
+        _compare_with_metrics(counts, result)
+        counts.update(stage_corrections(out, staging, recipe=recipe, commit=commit, manifests=manifests,
+                                        tokenizer=load_correction_tokenizer(tokenizer) if tokenizer else None,
+                                        tokenizer_name=str(tokenizer or "")))
+        manifest.counts = counts
+        manifest.clock_s = max(clock_s, run_clock_s)
+        manifest.late_state = carry_late_state(layout, last, staging, clock_s=manifest.clock_s,
+                                               retention_s=late_retention_s, drop=lambda: committed.load().emitted)
+    except Exception as err:
+        # On an object store a run that starts once another run committed n deletes the staging of n it does not
+        # name (:func:`pipelines.commit.recover`): a third run that is still at work on n then fails on its files
+        # being gone -- it lost the race for n, and says so.
+        if layout.remote and len(read_manifests(layout)) >= commit:
+            loc.delete_dir(staging)
+            raise CommitConflict.of(commit, recipe.version, str(out)) from err
+        raise
     commit_staged(layout, manifest, prior_norm=prior, crash_at=crash_at)
     _check_accounted(counts)
     return counts
@@ -561,9 +595,7 @@ class ProcessEpisodes(beam.PTransform):
 def _pending_ids(path: str | None) -> list[str]:
     if not path:
         return []
-    import pyarrow.feather as feather
-
-    return feather.read_table(path, columns=["episode_id"]).column(0).unique().to_pylist()
+    return loc.read_feather(path, columns=["episode_id"]).column(0).unique().to_pylist()
 
 
 class _SkipCommittedFn(beam.DoFn):
@@ -588,15 +620,13 @@ class _SkipCommittedFn(beam.DoFn):
         yield fragment
 
 
-def _load_pending(path: Path | None, committed: set[str]) -> list[tuple[str, list[Event]]]:
+def _load_pending(path: str | None, committed: set[str]) -> list[tuple[str, list[Event]]]:
     """Fragments of the pending-state file, minus episodes committed since it was written."""
     if path is None:
         return []
-    import pyarrow.feather as feather
-
     from pipelines.archive_source import table_to_fragments
 
-    frags, _ = table_to_fragments(feather.read_table(str(path)))
+    frags, _ = table_to_fragments(loc.read_feather(path))
     return [f for f in frags if f[0] not in committed]
 
 
@@ -779,23 +809,20 @@ def _check_accounted(counts: dict[str, int]) -> None:
                    "negative) between the source and the assembler: %s", gap, json.dumps(counts))
 
 
-def _counts_from_files(staging: Path, pending_path: str | None) -> tuple[dict[str, int], float]:
+def _counts_from_files(staging: str, pending_path: str | None) -> tuple[dict[str, int], float]:
     """(counts, the run's event-time clock in epoch seconds) from what the job staged, not from metrics.
 
     The DoFns' count files (:func:`pipelines.counts.read_staged_counts`), plus what the files say
     themselves: ``steps`` are the rows of the staged ``steps/`` files (Parquet footers), ``evaluations``
     the complete rows of ``evaluations/``, ``events_pending_in`` the rows of the pending state read.
     """
-    import pyarrow.feather as feather
-    import pyarrow.parquet as pq
-
     totals, clock_s = read_staged_counts(staging)
-    totals["steps_written"] = sum(pq.ParquetFile(f).metadata.num_rows
-                                  for f in staging.glob(f"steps/**/*{STAGED_SUFFIX}"))
+    totals["steps_written"] = sum(loc.parquet_rows(f)
+                                  for f in loc.list_files(loc.join(staging, "steps"), suffix=STAGED_SUFFIX))
     totals["evaluations"] = sum(
-        pq.read_table(f, columns=["complete"]).column(0).to_pylist().count(True)
-        for f in staging.glob(f"evaluations/**/*{STAGED_SUFFIX}"))
-    totals["events_pending_in"] = (feather.read_table(pending_path, columns=["episode_id"]).num_rows
+        loc.read_parquet(f, columns=["complete"]).column(0).to_pylist().count(True)
+        for f in loc.list_files(loc.join(staging, "evaluations"), suffix=STAGED_SUFFIX))
+    totals["events_pending_in"] = (loc.read_feather(pending_path, columns=["episode_id"]).num_rows
                                    if pending_path else 0)
     return {k: totals.get(_METRIC_FOR[k], 0) for k in COUNT_KEYS}, clock_s or 0.0
 

@@ -38,6 +38,9 @@ from deltalake import CommitProperties, DeltaTable, PostCommitHookProperties, Sc
 from deltalake.exceptions import DeltaError, TableNotFoundError
 from deltalake.transaction import AddAction, create_table_with_add_actions
 
+from schemas import locations as loc
+from schemas.storage import delta_storage_options
+
 __all__ = ["DeltaCommitError", "META_PREFIX", "partition_values", "open_table", "txn_version", "add_files", "batches"]
 
 #: Prefix of trajpipe's keys in a Delta commit's metadata (``DeltaTable.history()``).
@@ -55,11 +58,15 @@ def partition_values(rel_path: str) -> dict[str, str]:
 
 
 def open_table(table_root: Path | str) -> DeltaTable | None:
-    """The Delta table at ``table_root``, or None where there is none yet."""
-    if not (Path(table_root) / "_delta_log").is_dir():
+    """The Delta table at ``table_root`` (a local path or an ``s3://`` URI), or None where there is none yet."""
+    root = os.fspath(table_root)
+    if loc.is_remote(root):
+        if not loc.list_files(loc.join(root, "_delta_log"), suffix=".json"):
+            return None
+    elif not (Path(root) / "_delta_log").is_dir():
         return None
     try:
-        return DeltaTable(str(table_root))
+        return DeltaTable(root, storage_options=delta_storage_options(root) or None)
     except TableNotFoundError:
         return None
 
@@ -70,14 +77,15 @@ def txn_version(table_root: Path | str, app_id: str) -> int:
     return (dt.transaction_version(app_id) or 0) if dt is not None else 0
 
 
-def _schema(table_root: Path, first: str) -> tuple[Schema, list[str]]:
+def _schema(table_root: str, first: str) -> tuple[Schema, list[str]]:
     cols = list(partition_values(first))
-    file_schema = pq.read_schema(table_root / first)
+    fs, path = loc.filesystem(loc.join(table_root, first))
+    file_schema = pq.read_schema(path, filesystem=fs)
     fields = list(file_schema) + [pa.field(c, pa.string()) for c in cols if c not in file_schema.names]
     return Schema.from_arrow(pa.schema(fields)), cols
 
 
-def _check_compatible(dt: DeltaTable, schema: Schema, cols: list[str], table_root: Path) -> None:
+def _check_compatible(dt: DeltaTable, schema: Schema, cols: list[str], table_root: str) -> None:
     """Refuse a table these files do not belong to: other partition columns, a column they lack,
     or a primitive column of another type.
 
@@ -120,7 +128,9 @@ def add_files(table_root: Path | str, files: Sequence[tuple[str, int]], *, app_i
     Raises:
         DeltaCommitError: the table refused the transaction.
     """
-    table_root = Path(table_root)
+    table_root = os.fspath(table_root)
+    table_root = table_root if loc.is_remote(table_root) else str(Path(table_root))
+    options = delta_storage_options(table_root) or None
     dt = open_table(table_root)
     if dt is not None and (dt.transaction_version(app_id) or 0) >= version:
         return None
@@ -129,17 +139,18 @@ def add_files(table_root: Path | str, files: Sequence[tuple[str, int]], *, app_i
         _check_compatible(dt, schema, cols, table_root)
     actions = []
     for rel, rows in files:
-        st = os.stat(table_root / rel)
-        actions.append(AddAction(path=rel, size=st.st_size, partition_values=partition_values(rel),
-                                 modification_time=int(st.st_mtime * 1000), data_change=True,
+        size, mtime_ms = loc.size_and_mtime_ms(loc.join(table_root, rel))
+        actions.append(AddAction(path=rel, size=size, partition_values=partition_values(rel),
+                                 modification_time=mtime_ms, data_change=True,
                                  stats=json.dumps({"numRecords": rows})))
     props = CommitProperties(custom_metadata=dict(metadata),
                              app_transactions=[Transaction(app_id=app_id, version=version)])
     try:
         if dt is None:
             try:
-                create_table_with_add_actions(str(table_root), schema, actions, mode="error", partition_by=cols,
-                                              commit_properties=props, post_commithook_properties=_HOOKS)
+                create_table_with_add_actions(table_root, schema, actions, mode="error", partition_by=cols,
+                                              storage_options=options, commit_properties=props,
+                                              post_commithook_properties=_HOOKS)
                 return 0
             except DeltaError:  # another writer created it first: append like any later commit
                 dt = open_table(table_root)
@@ -151,9 +162,12 @@ def add_files(table_root: Path | str, files: Sequence[tuple[str, int]], *, app_i
         dt.create_write_transaction(actions, mode="append", schema=schema, partition_by=cols,
                                     commit_properties=props, post_commithook_properties=_HOOKS)
     except DeltaError as err:
+        again = open_table(table_root)
+        if again is not None and (again.transaction_version(app_id) or 0) >= version:
+            return None  # another process (recovering the same commit) made this transaction first
         raise DeltaCommitError(f"cannot add {len(files)} files to the Delta table {table_root} "
                                f"({app_id} version {version}): {err}") from err
-    return DeltaTable(str(table_root)).version()
+    return DeltaTable(table_root, storage_options=options).version()
 
 
 def batches(table_root: Path | str) -> list[dict[str, str | int]]:

@@ -48,6 +48,7 @@ USER_ERRORS: frozenset[tuple[str, str]] = frozenset({
     ("trainer.data", "DataError"),  # a dataset that cannot be trained on
     ("pipelines.recipes", "RecipeError"),
     ("pipelines.trajectory_job", "JobError"),
+    ("pipelines.commit", "CommitConflict"),  # an object-store run that lost the race for its commit: rerun
     ("pipelines.verify", "VerifiersUnavailable"),
     ("pipelines.runners", "RunnerNotInstalledError"),
     ("streams.broker", "BrokerError"),
