@@ -412,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="loop: one `trajpipe loop` run; commands: rollout/pipeline/train per iteration")
     parser.add_argument("--warm-start", type=Path, default=None,
                         help="start the loop from this published policy directory (skip the warm start)")
+    parser.add_argument("--loop-config", type=Path, default=LearningSetup.loop_config,
+                        help="the online loop's config (--engine loop; run_dir, model, bootstrap, budget are set here)")
     parser.add_argument("--no-eval-base", action="store_true", help="skip the base model's evaluation")
     parser.add_argument("--results", action="store_true",
                         help="also write bench/results/learning_curve.json (the CPU figure's curve)")
@@ -425,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                           bc_config=args.bc_config.resolve(), grpo_config=args.grpo_config.resolve(),
                           eval_tasks=args.eval_tasks, eval_sampled_tasks=args.eval_sampled_tasks,
                           groups_per_iter=args.groups_per_iter, engine=args.engine,
+                          loop_config=args.loop_config.resolve(),
                           warm_start=args.warm_start.resolve() if args.warm_start else None,
                           eval_base=not args.no_eval_base)
     with tempfile.TemporaryDirectory(prefix="trajpipe-learning-") as tmp:

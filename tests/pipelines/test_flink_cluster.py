@@ -3,7 +3,8 @@
 Scripted rollouts in the sandbox → a real Kafka topic (2 partitions, one undecodable record) →
 `trajpipe pipeline run` twice: FnApiRunner in process, and FlinkRunner submitted through Beam's
 Flink job server to a session cluster of one JobManager JVM and two TaskManager JVMs whose SDK
-workers are processes they start (PROCESS environment). The datasets must hold the same rows, the
+workers are processes they start (PROCESS environment), writing the dataset to an S3-compatible store
+(SeaweedFS, tests/s3_helpers.py) as Delta tables. The datasets must hold the same rows, the
 JobManager must list the job FINISHED, and both TaskManagers must have run tasks and SDK workers.
 
 Wall time (2-core box shared with other test runs, load ~8): cluster start ~30 s, rollouts ~20 s,
@@ -25,6 +26,8 @@ import pytest
 from polars.testing import assert_frame_equal
 
 from pipelines.flink_cluster import FlinkCluster, start_cluster, stop_cluster
+from schemas import locations as loc
+from schemas.storage import delta_storage_options
 from pipelines.runners import RunnerConfigError, flink_cluster_master, runner_options
 from tests.helpers import free_port, produce_messages, topic_env
 
@@ -41,13 +44,15 @@ def _ok(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _table(out: Path, name: str, *, delta: bool = False) -> pl.DataFrame:
+def _table(out: Path | str, name: str, *, delta: bool = False) -> pl.DataFrame:
     """All rows of ``<out>/<name>/`` (hive columns included), sorted on every sortable column.
 
-    ``delta``: from the table's latest Delta snapshot instead of the directory glob.
+    ``delta``: from the table's latest Delta snapshot instead of the directory glob (``out`` may then
+    be an ``s3://`` URI; the AWS variables come from the environment).
     """
     if delta:
-        df = pl.read_delta(str(out / name))
+        uri = loc.join(str(out), name)
+        df = pl.read_delta(uri, storage_options=delta_storage_options(uri) or None)
         df = df.select(sorted(df.columns))
     else:
         df = pl.from_arrow(duckdb.connect().sql(
@@ -92,8 +97,13 @@ def test_unreachable_flink_master_is_one_error_line(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> FlinkCluster:
-    c = start_cluster(tmp_path_factory.mktemp("flink"), task_managers=2, slots=1)
+def cluster(tmp_path_factory, s3_store) -> FlinkCluster:
+    """A session cluster whose processes hold the S3 store's AWS variables, as a deployment's TaskManagers
+    hold their credentials: the SDK workers they start write the dataset straight to the store."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in s3_store.env().items():
+            mp.setenv(k, v)
+        c = start_cluster(tmp_path_factory.mktemp("flink"), task_managers=2, slots=1)
     try:
         yield c
     finally:
@@ -105,11 +115,13 @@ def cluster(tmp_path_factory) -> FlinkCluster:
 @pytest.mark.integration
 @pytest.mark.flink_cluster
 @pytest.mark.timeout(900)
-def test_trajectory_job_on_session_cluster_same_rows_as_fnapi(kafka_broker, cluster, tmp_path):
+def test_trajectory_job_on_session_cluster_same_rows_as_fnapi(kafka_broker, cluster, s3_store, tmp_path):
+    """FnApiRunner writes a local dataset; the cluster writes the same job's dataset to S3 (SeaweedFS)."""
     from rollout.model import init_tiny_model
 
     topic = f"flink-cluster-{os.getpid()}"
-    env = topic_env(topic, tmp_path / "spool")
+    env = {**topic_env(topic, tmp_path / "spool"), **s3_store.env()}
+    flink_out = s3_store.uri(f"flink-{os.getpid()}-{time.time_ns()}")
     b = kafka_broker.bootstrap
     tiny = init_tiny_model(tmp_path / "tiny", seed=0)
     made = _ok(_trajpipe(env, "rollout", "--bootstrap", b, "--policy", "scripted", "--model", tiny,
@@ -120,7 +132,7 @@ def test_trajectory_job_on_session_cluster_same_rows_as_fnapi(kafka_broker, clus
     t0 = time.monotonic()
     fn = _ok(_trajpipe(env, *common, "--out", tmp_path / "fnapi"))
     t1 = time.monotonic()
-    flink = _ok(_trajpipe(env, *common, "--out", tmp_path / "flink", "--runner", "FlinkRunner",
+    flink = _ok(_trajpipe(env, *common, "--out", flink_out, "--runner", "FlinkRunner",
                           *cluster.beam_args()))
     print(f"fnapi {t1 - t0:.1f}s, flink session cluster {time.monotonic() - t1:.1f}s; rollouts: {made}")
 
@@ -130,7 +142,10 @@ def test_trajectory_job_on_session_cluster_same_rows_as_fnapi(kafka_broker, clus
         # A dead letter's `timestamp` is when the run detected the problem (schemas/deadletter.py): not compared.
         # the cluster's rows as its Delta tables hold them, FnApiRunner's as the files on disk
         fn_rows = _table(tmp_path / "fnapi", name).drop("timestamp", strict=False)
-        flink_rows = _table(tmp_path / "flink", name, delta=True).drop("timestamp", strict=False)
+        with pytest.MonkeyPatch.context() as mp:  # the test process reads the store with the same variables
+            for k, v in s3_store.env().items():
+                mp.setenv(k, v)
+            flink_rows = _table(flink_out, name, delta=True).drop("timestamp", strict=False)
         assert fn_rows.height > 0, name
         assert_frame_equal(flink_rows, fn_rows, check_exact=False, rel_tol=1e-9, abs_tol=1e-12)
 
@@ -143,7 +158,7 @@ def test_trajectory_job_on_session_cluster_same_rows_as_fnapi(kafka_broker, clus
         log = (cluster.log_dir / f"taskmanager-{i}.log").read_text()
         assert "Received task" in log and "Python sdk harness starting" in log, f"taskmanager-{i}"
     # A second run finds nothing new on the topic: the Flink run's commit covers the offsets it read.
-    again = _ok(_trajpipe(env, *common, "--out", tmp_path / "flink"))
+    again = _ok(_trajpipe(env, *common, "--out", flink_out))
     assert again["events_in"] == 0 and again["episodes"] == 0
 
 
