@@ -401,3 +401,37 @@ def test_html_report_renders_every_chart_in_headless_chromium(real):
     colors = img.getcolors(maxcolors=1 << 20)
     assert colors is not None and len(colors) > 50  # charts, not a blank page
     assert max(n for n, _ in colors) < 0.98 * img.width * img.height
+
+
+def test_duckdb_polars_delta_and_spark_count_the_same(real):
+    """Issue 14's acceptance: `trajpipe query` (DuckDB), polars `scan_delta` and pyspark return the same counts.
+
+    Spark reads the tables' Parquet files (its Parquet reader discovers the ``recipe=``/``domain=``
+    partitions and skips ``_delta_log``); polars reads the Delta snapshot, newest and as of the Delta
+    version that holds the first commit of the outcome version (``table_versions_at``).
+    """
+    from pyspark.sql import SparkSession
+
+    from pipelines.delta_tables import table_versions_at
+
+    env, data = real["env"], real["data"]
+    spark = (SparkSession.builder.master("local[1]").appName("trajpipe-counts").config("spark.ui.enabled", "false")
+             .config("spark.sql.session.timeZone", "UTC").config("spark.driver.memory", "512m").getOrCreate())
+    try:
+        for table in ("steps", "trajectories"):
+            sql = f"select recipe, domain, count(*) n from {table} group by all order by all"
+            by_duckdb = [(r["recipe"], r["domain"], r["n"]) for r in map(json.loads, _trajpipe(
+                env, "query", "--data", data, "--version", ALL_VERSIONS, "--format", "json", sql).stdout.splitlines())]
+            by_polars = sorted(pl.scan_delta(str(data / table)).group_by("recipe", "domain").len().collect().iter_rows())
+            by_spark = sorted((r["recipe"], r["domain"], r["count"]) for r in
+                              spark.read.parquet(str(data / table)).groupBy("recipe", "domain").count().collect())
+            assert by_duckdb == by_polars == by_spark, table
+            assert {r for r, _, _ in by_duckdb} == {real["outcome"], real["shaped"]}
+        # time travel: the outcome version's first commit, by commit number (DuckDB) and by Delta version (polars)
+        at = table_versions_at(data, real["outcome"], 1)["trajectories"]
+        first = pl.scan_delta(str(data / "trajectories"), version=at).filter(pl.col("recipe") == real["outcome"])
+        as_of = _last(_trajpipe(env, "query", "--data", data, "--as-of", 1, "--format", "parquet",
+                                "--out", real["tmp"] / "as-of.parquet", "select * from trajectories"))
+        assert as_of["rows"] == first.select(pl.len()).collect().item() == real["commits"][0]["episodes"]
+    finally:
+        spark.stop()
