@@ -6,7 +6,7 @@ SeaweedFS (``pipeline run --out s3://...``) and to a local directory. Then:
 * ``trajpipe query --data s3://...`` (a real process, the AWS_* variables in its environment) gives
   the same counts as ``--data DIR`` -- steps, trajectories, per domain, the ``filename`` column's
   files -- at the newest commit and with ``--as-of 1``;
-* polars ``scan_delta`` on the S3 table gives the same rows;
+* polars ``scan_delta`` on the S3 table, and the catalog's polars frame of the view, give the same rows;
 * the trainer's loader yields the same packed batches (token ids, advantages, episode ids, in order,
   shuffle off) from S3 as from the local copy, and a real ``trajpipe train --data s3://... --max-steps 2`` runs;
 * a bucket that does not exist, or a wrong secret, ends the command with one error line, exit 2.
@@ -27,6 +27,7 @@ import torch
 import yaml
 from kafka.admin import KafkaAdminClient, NewTopic
 
+from pipelines.catalog import open_catalog
 from pipelines.trajectory_job import run
 from schemas import locations as loc
 from schemas.codec import encode_event
@@ -128,6 +129,10 @@ def test_polars_scan_delta_on_s3_agrees(datasets, s3_env):
     by_domain = [f.group_by("domain").agg(pl.len(), pl.col("episode_id").n_unique()).sort("domain").collect()
                  for f in (s3_steps, local_steps)]
     assert by_domain[0].equals(by_domain[1]) and by_domain[0]["episode_id"].sum() == 2 * N
+    # the catalog's polars frame of the view (a pyarrow dataset on S3) has the same rows as the local view's
+    views = [open_catalog(data=d).scan("steps").group_by("domain").agg(pl.len(), pl.col("episode_id").n_unique())
+             .sort("domain").collect() for d in (uri, local)]
+    assert views[0].equals(views[1]) and views[0].equals(by_domain[0].cast(views[0].schema))
 
 
 def _batches(data: str) -> list:
