@@ -47,6 +47,13 @@ commit of the version. A table that no manifest names (a directory some other
 tool writes) is read from its ``*.parquet`` files and marked
 ``snapshot = false`` in ``catalog_info``.
 
+**Object stores.** ``data`` may be ``s3://BUCKET/PREFIX`` (:mod:`schemas.locations`; settings from the
+AWS environment variables): the manifests are read the same way, and each view reads its committed
+files as a ``pyarrow.dataset`` registered on the connection (DuckDB scans it with projection and
+filter pushdown; its ``httpfs`` extension is not needed). Its ``filename`` column is the file's
+``s3://`` URI, its hive keys strings. A database file (:func:`write_catalog`) cannot hold such a view:
+it is refused for an ``s3://`` dataset.
+
 **Following new commits.** The views are pinned to the commits that existed
 when the catalog was opened: new commits are not seen until it is opened
 again. ``trajpipe query`` and ``trajpipe report`` open it on every run (so
@@ -74,9 +81,12 @@ import duckdb
 import msgspec
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from pipelines.commit import CommitError, DatasetLayout, DatasetManifest, read_manifests
+from schemas import locations as loc
 from streams.archive import read_commits
 
 __all__ = [
@@ -85,6 +95,7 @@ __all__ = [
     "TableFiles",
     "open_catalog",
     "write_catalog",
+    "arrow_dataset",
     "ALL_VERSIONS",
     "DB_STORAGE_VERSION",
 ]
@@ -120,7 +131,7 @@ class TableFiles:
 
     Attributes:
         name: view name.
-        files: absolute paths of the Parquet files, in commit order.
+        files: absolute paths (or ``s3://`` URIs) of the Parquet files, in commit order.
         hive: the files sit in ``key=value`` directories whose keys become columns.
         version: dataset version shown (None: the archive, or every version).
         commit: newest commit shown (None: not committed through manifests).
@@ -145,7 +156,7 @@ class Catalog:
     ``frames`` small in-memory tables (commit history, policies, versions).
 
     Attributes:
-        data: dataset root (``trajpipe pipeline run --out``).
+        data: dataset root (``trajpipe pipeline run --out``): a local directory, or an ``s3://`` URI (a string).
         archive: event archive directory.
         runs: training run directories searched for published policies.
         version: the dataset version shown (``all``: every version).
@@ -155,7 +166,7 @@ class Catalog:
         versions: every dataset version -> its visible commits (manifests).
     """
 
-    data: Path | None = None
+    data: Path | str | None = None
     archive: Path | None = None
     runs: tuple[Path, ...] = ()
     version: str | None = None
@@ -171,11 +182,18 @@ class Catalog:
         return sorted([*self.tables, *self.frames, *derived])
 
     def view_sql(self, name: str) -> str:
-        """The ``select`` a Parquet-backed view runs (absolute file paths; DuckDB SQL)."""
+        """The ``select`` a Parquet-backed view runs (DuckDB SQL).
+
+        Local files: ``read_parquet`` of their absolute paths. Files on an object store: the Arrow
+        dataset :meth:`register` registers as ``_arrow_<name>``.
+        """
         t = self.tables[name]
-        files = "[" + ", ".join(_quote(f) for f in t.files) + "]"
-        sql = (f"select * from read_parquet({files}, hive_partitioning={'true' if t.hive else 'false'}, "
-               "union_by_name=true, filename=true)")
+        if _remote(t):
+            sql = f"select * from {_arrow_name(name)}"
+        else:
+            files = "[" + ", ".join(_quote(f) for f in t.files) + "]"
+            sql = (f"select * from read_parquet({files}, hive_partitioning={'true' if t.hive else 'false'}, "
+                   "union_by_name=true, filename=true)")
         if name == "evaluations":  # finished eval episodes, each once even when several versions are shown
             sql = (f"select * from ({sql}) where complete "
                    "qualify row_number() over (partition by episode_id order by recipe) = 1")
@@ -183,7 +201,9 @@ class Catalog:
 
     def register(self, con: duckdb.DuckDBPyConnection) -> list[str]:
         """Create every view on ``con`` (in-memory frames are registered, not copied); returns the names."""
-        for name in self.tables:
+        for name, t in self.tables.items():
+            if _remote(t):
+                con.register(_arrow_name(name), arrow_dataset(t))
             con.execute(f"create or replace view {name} as {self.view_sql(name)}")
         for name, table in self.frames.items():
             con.register(name, table)
@@ -212,6 +232,8 @@ class Catalog:
         if name == "evaluations":  # the view's rows (see view_sql), not the table's
             return pl.from_arrow(self.connect().execute("select * from evaluations").arrow()).lazy()
         t = self.tables[name]
+        if _remote(t):
+            return pl.scan_pyarrow_dataset(arrow_dataset(t))
         schema = pa.unify_schemas([pq.read_schema(f) for f in t.schema_files or t.files], promote_options="permissive")
         return pl.scan_parquet(list(t.files), schema=pl.from_arrow(schema.empty_table()).schema,
                                hive_partitioning=t.hive, missing_columns="insert", include_file_paths="filename")
@@ -227,11 +249,46 @@ def _quote(text: str) -> str:
     return "'" + str(text).replace("'", "''") + "'"
 
 
-def _visible(root: Path, manifests: list[DatasetManifest]) -> list[DatasetManifest]:
+def _remote(t: TableFiles) -> bool:
+    return loc.is_remote(t.files[0])
+
+
+def _arrow_name(view: str) -> str:
+    return f"_arrow_{view}"
+
+
+def arrow_dataset(t: TableFiles) -> pads.FileSystemDataset:
+    """The files of ``t`` as one ``pyarrow.dataset`` with the columns DuckDB's ``read_parquet`` view gives.
+
+    Those are: every file column (schemas of ``t.schema_files`` unified by name, as ``union_by_name``),
+    ``filename`` (the file's location) and the hive keys Arrow parses from the paths. ``filename`` and
+    the keys are each fragment's partition expression, so Arrow fills them and prunes files by them.
+    """
+    fs, _ = loc.filesystem(t.files[0])
+    paths = {f: loc.filesystem(f)[1] for f in t.files}
+    found = pads.dataset(list(paths.values()), filesystem=fs, format="parquet",
+                         partitioning="hive" if t.hive else None)
+    keys = {frag.path: frag.partition_expression for frag in found.get_fragments()}
+    columns = pa.unify_schemas([pq.read_schema(paths[f], filesystem=fs) for f in t.schema_files or t.files],
+                               promote_options="permissive")
+    hive = sorted((f for f in found.schema if f.name not in columns.names), key=lambda f: f.name)
+    schema = pa.schema([*columns, pa.field("filename", pa.string()), *hive])
+    fmt = pads.ParquetFileFormat()
+    fragments = [fmt.make_fragment(path, filesystem=fs,
+                                   partition_expression=keys[path] & (pc.field("filename") == pc.scalar(f)))
+                 for f, path in paths.items()]
+    return pads.FileSystemDataset(fragments, schema=schema, format=fmt, filesystem=fs)
+
+
+def _visible(root: Path | str, manifests: list[DatasetManifest]) -> list[DatasetManifest]:
     """The longest prefix of commits whose data files are all in place (never half a commit)."""
+    if loc.is_remote(root):  # one listing, not a request per file
+        present = set(loc.list_files(root, suffix=".parquet")).__contains__
+    else:
+        present = os.path.exists
     out = []
     for m in manifests:
-        if not all((root / f.path).exists() for f in m.files if f.path.endswith(".parquet")):
+        if not all(present(loc.join(str(root), f.path)) for f in m.files if f.path.endswith(".parquet")):
             break
         out.append(m)
     return out
@@ -243,21 +300,38 @@ def _table_of(path: str) -> str | None:
     return head if rest and path.endswith(".parquet") and not head.startswith(("_", ".")) else None
 
 
-def _dataset_versions(data: Path) -> dict[str, list[DatasetManifest]]:
+def _dataset_versions(data: Path | str) -> dict[str, list[DatasetManifest]]:
+    manifests_dir = loc.join(str(data), "_manifests")
+    if loc.is_remote(data):  # an object store has no empty directories: every name is a version's prefix
+        names = loc.list_dir(manifests_dir)
+    else:
+        names = [d.name for d in sorted(Path(manifests_dir).glob("*")) if d.is_dir()]
     out = {}
-    for d in sorted((data / "_manifests").glob("*")):
-        if d.is_dir():
-            try:
-                manifests = read_manifests(DatasetLayout(out=str(data), version=d.name, recipe_hash=""))
-            except CommitError as err:
-                raise CatalogError(str(err)) from err
-            out[d.name] = _visible(data, manifests)
+    for name in names:
+        try:
+            manifests = read_manifests(DatasetLayout(out=str(data), version=name, recipe_hash=""))
+        except CommitError as err:
+            raise CatalogError(str(err)) from err
+        out[name] = _visible(data, manifests)
     return out
 
 
-def _what_is_there(path: Path) -> str:
-    entries = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())[:12] if path.is_dir() else []
+def _what_is_there(path: Path | str) -> str:
+    if loc.is_remote(path):
+        entries = loc.list_dir(path)[:12]
+    else:
+        path = Path(path)
+        entries = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())[:12] if path.is_dir() else []
     return ", ".join(entries) if entries else "nothing"
+
+
+def _table_dirs(data: Path | str) -> list[str]:
+    """Top-level directories of ``data`` that may be tables (identifier names, not ``_``-prefixed)."""
+    if loc.is_remote(data):
+        names = loc.list_dir(data)  # prefixes and objects; an object's name (``x.json``) is no identifier
+    else:
+        names = [p.name for p in Path(data).iterdir() if p.is_dir()] if Path(data).is_dir() else []
+    return sorted(n for n in names if n.isidentifier() and not n.startswith("_"))
 
 
 def _commit_rows(versions: dict[str, list[DatasetManifest]], archive: Path | None) -> pa.Table:
@@ -288,8 +362,8 @@ def _commit_rows(versions: dict[str, list[DatasetManifest]], archive: Path | Non
     return pa.Table.from_pylist(rows, schema=schema)
 
 
-def _commit_file_rows(data: Path, versions: dict[str, list[DatasetManifest]]) -> pa.Table:
-    rows = [{"filename": str(data / f.path), "table": _table_of(f.path), "version": v, "commit": m.commit,
+def _commit_file_rows(data: Path | str, versions: dict[str, list[DatasetManifest]]) -> pa.Table:
+    rows = [{"filename": loc.join(str(data), f.path), "table": _table_of(f.path), "version": v, "commit": m.commit,
              "created_at": m.created_at, "rows": f.rows}
             for v, ms in versions.items() for m in ms for f in m.files if _table_of(f.path)]
     schema = pa.schema([("filename", pa.string()), ("table", pa.string()), ("version", pa.string()),
@@ -343,8 +417,8 @@ def open_catalog(
     """Read the manifests and pin every table to a snapshot.
 
     Args:
-        data: dataset root (``trajpipe pipeline run --out``).
-        archive: event archive (``trajpipe archive --out``).
+        data: dataset root (``trajpipe pipeline run --out``): a local directory or ``s3://BUCKET/PREFIX``.
+        archive: event archive (``trajpipe archive --out``; local).
         runs: training run directories (``trajpipe train --out``) or their parents; their
             ``policies/v*/policy.json`` make the ``policies`` view.
         version: dataset version ``<recipe>-<hash8>`` (or just the recipe name when one version has it);
@@ -357,9 +431,11 @@ def open_catalog(
 
     Raises:
         CatalogError: the data root holds no dataset, the version or commit does not exist.
+        OSError: an object store could not be read (unreachable, no such bucket, credentials refused).
     """
     # absolute: the views store their file paths, and a catalog file is opened from anywhere
-    data = Path(data).resolve() if data is not None else None
+    if data is not None:
+        data = os.fspath(data).rstrip("/") if loc.is_remote(data) else Path(data).resolve()
     archive = Path(archive).resolve() if archive is not None else None
     cat = Catalog(data=data, archive=archive, runs=tuple(Path(r) for r in runs), as_of=as_of)
     if archive is not None:
@@ -371,11 +447,10 @@ def open_catalog(
                                               commit=commits[-1].commit,
                                               schema_files=tuple(str(archive / c.files[0]) for c in commits))
     if data is not None:
-        if (data / "_commits").is_dir():
+        if loc.exists(loc.join(str(data), "_commits")):
             raise CatalogError(f"{data} holds no dataset: it is an event archive (_commits/); give it as `--archive`")
         cat.versions = versions = _dataset_versions(data)
-        tables = sorted(p.name for p in data.iterdir() if p.is_dir() and p.name.isidentifier()
-                        and not p.name.startswith("_")) if data.is_dir() else []
+        tables = _table_dirs(data)
         if not versions and not tables:
             raise CatalogError(f"{data} holds no dataset (no _manifests/ and no tables); it holds "
                                f"{_what_is_there(data)}; write one with `trajpipe pipeline run --out {data}`")
@@ -388,7 +463,7 @@ def open_catalog(
         committed = {t for ms in versions.values() for m in ms for f in m.files if (t := _table_of(f.path))}
         for t in tables:  # tables no manifest names: another tool writes them; read what is there
             if t not in committed and t not in cat.tables:
-                files = tuple(sorted(str(p) for p in (data / t).glob("**/*.parquet")))
+                files = tuple(loc.list_files(loc.join(str(data), t), suffix=".parquet"))
                 if files:
                     cat.tables[t] = TableFiles(t, files, snapshot=False)
         cat.frames["commits"] = _commit_rows(versions, archive)
@@ -407,7 +482,7 @@ def open_catalog(
     return cat
 
 
-def _version_tables(data: Path, shown: dict[str, list[DatasetManifest]], *, one: str | None
+def _version_tables(data: Path | str, shown: dict[str, list[DatasetManifest]], *, one: str | None
                     ) -> dict[str, TableFiles]:
     """The tables of the shown versions' commits: every data file the manifests name, in commit order."""
     named: dict[str, list[str]] = {}
@@ -417,10 +492,10 @@ def _version_tables(data: Path, shown: dict[str, list[DatasetManifest]], *, one:
         for m in manifests:
             for f in m.files:
                 if (t := _table_of(f.path)) is not None:
-                    named.setdefault(t, []).append(str(data / f.path))
+                    named.setdefault(t, []).append(loc.join(str(data), f.path))
                     if last.get(t) != (v, m.commit):
                         last[t] = (v, m.commit)
-                        firsts.setdefault(t, []).append(str(data / f.path))
+                        firsts.setdefault(t, []).append(loc.join(str(data), f.path))
     return {t: TableFiles(t, tuple(files), version=one, commit=last[t][1] if one else None,
                           schema_files=tuple(firsts[t])) for t, files in named.items()}
 
@@ -469,7 +544,16 @@ def write_catalog(catalog: Catalog, db: Path | str) -> dict[str, Any]:
 
     Returns:
         Counts: ``{"db": path, "views": n, "tables": {view: files}, "version": V}``.
+
+    Raises:
+        CatalogError: a view reads an object store (its ``select`` would need DuckDB's ``httpfs`` and the
+            store's credentials in every client that opens the file).
     """
+    remote = [t.name for t in catalog.tables.values() if _remote(t)]
+    if remote:
+        raise CatalogError(f"{catalog.data}: a catalog database file cannot hold views over an object store "
+                           f"({', '.join(remote)}: they need DuckDB's httpfs extension and the store's credentials in "
+                           "every client); query it with `trajpipe query --data URI` or `trajpipe report --data URI`")
     db = Path(db)
     tmp = db.with_name(f".{db.name}.tmp")
     for p in (tmp, tmp.with_name(tmp.name + ".wal")):

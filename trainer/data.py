@@ -13,6 +13,10 @@ Layout read (schemas/datasets.py, docs/pipelines.md)::
     <data>/_manifests/<recipe>/<n>.json              commit n of a dataset version
     <data>/steps/recipe=<recipe>/domain=<d>/c<commit>-s<shard>.parquet
 
+``<data>`` is a local directory or ``s3://BUCKET/PREFIX``: manifests and data files are read through
+:mod:`schemas.locations` (S3 settings from the AWS environment variables), the same bytes either way,
+so an S3 dataset yields the same batches as its local copy.
+
 What a sample is
 ----------------
 A step's ``observation_token_ids`` are the ids appended to the episode's
@@ -100,6 +104,7 @@ import pyarrow.fs as pafs
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from schemas import locations as loc
 from schemas.datasets import step_file_schema
 from schemas.events import PURPOSE_EVAL
 
@@ -161,7 +166,8 @@ class DatasetCommit(msgspec.Struct, frozen=True, kw_only=True):
     files: tuple[str, ...]
 
 
-def read_commit_manifest(path: Path, *, root: Path, tables: Sequence[str] = ("steps",)) -> DatasetCommit:
+def read_commit_manifest(path: Path | str, *, root: Path | str,
+                         tables: Sequence[str] = ("steps",)) -> DatasetCommit:
     """Read one commit manifest (``pipelines.commit.DatasetManifest``, docs/pipelines.md); keep its ``steps/`` files.
 
     Only ``commit`` and ``files[].path`` (relative to the dataset root) are
@@ -170,32 +176,40 @@ def read_commit_manifest(path: Path, *, root: Path, tables: Sequence[str] = ("st
     the step-shaped tables to keep (``steps``, and ``corrections``: feedback
     corrections as one-step samples, docs/feedback.md).
 
+    Args:
+        path: the manifest's location (a local path or an ``s3://`` URI).
+        root: the dataset root it belongs to.
+        tables: see above.
+
     Raises:
         DataError: the manifest is not JSON or has no ``files`` list.
     """
+    parent, _, name = os.fspath(path).rpartition("/")
     try:
-        doc = json.loads(path.read_bytes())
+        doc = json.loads(loc.read_bytes(path))
         entries = doc["files"]
-        commit = int(doc.get("commit", path.stem))
+        commit = int(doc.get("commit", name.split(".")[0]))
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise DataError(f"commit manifest {path} is unreadable or has no `files` list: {err!r}") from err
     files = []
     for entry in entries:
         rel = Path(entry["path"] if isinstance(entry, dict) else entry)
-        if rel.is_absolute() and rel.is_relative_to(root):
+        if not loc.is_remote(root) and rel.is_absolute() and rel.is_relative_to(root):
             rel = rel.relative_to(root)
         if rel.parts and rel.parts[0] in tables and rel.suffix == ".parquet":
             files.append(rel.as_posix())
-    return DatasetCommit(commit=commit, recipe=path.parent.name, files=tuple(sorted(set(files))))
+    return DatasetCommit(commit=commit, recipe=parent.rpartition("/")[2], files=tuple(sorted(set(files))))
 
 
-def list_recipes(data_dir: Path) -> list[str]:
-    """Dataset versions (recipes) that have a manifest directory."""
+def list_recipes(data_dir: Path | str) -> list[str]:
+    """Dataset versions (recipes) that have a manifest directory (on an object store: a manifest prefix)."""
+    if loc.is_remote(data_dir):
+        return loc.list_dir(loc.join(data_dir, MANIFEST_DIR))
     mdir = Path(data_dir) / MANIFEST_DIR
     return sorted(p.name for p in mdir.iterdir() if p.is_dir()) if mdir.is_dir() else []
 
 
-def scan_commits(data_dir: Path, *, recipe: str, after: int = 0, upto: int | None = None,
+def scan_commits(data_dir: Path | str, *, recipe: str, after: int = 0, upto: int | None = None,
                  tables: Sequence[str] = ("steps",)) -> list[DatasetCommit]:
     """Committed and complete commits of one dataset version, in commit order.
 
@@ -206,26 +220,36 @@ def scan_commits(data_dir: Path, *, recipe: str, after: int = 0, upto: int | Non
     incomplete commit, so a later commit never overtakes an earlier one.
 
     Args:
-        data_dir: dataset root.
+        data_dir: dataset root: a local directory or ``s3://BUCKET/PREFIX``.
         recipe: dataset version directory under ``_manifests/``.
         after: skip commits ``<= after``.
         upto: stop after this commit.
         tables: the step-shaped tables whose files to list (:func:`read_commit_manifest`).
     """
-    root = Path(data_dir)
-    mdir = root / MANIFEST_DIR / recipe
-    if not mdir.is_dir():
-        return []
+    if loc.is_remote(data_dir):
+        root: Path | str = os.fspath(data_dir)
+        mdir = loc.join(root, MANIFEST_DIR, recipe)
+        manifests = [(m, m.rpartition("/")[2]) for m in loc.list_files(mdir, suffix=".json")]
+        # one listing per table, not a request per file
+        in_place = {f for t in tables for f in loc.list_files(loc.join(root, t), suffix=".parquet")}.__contains__
+    else:
+        root = Path(data_dir)
+        mdir = root / MANIFEST_DIR / recipe
+        if not mdir.is_dir():
+            return []
+        manifests = [(p, p.name) for p in mdir.glob("*.json")]
+        in_place = os.path.isfile
     numbered = {}
-    for p in mdir.glob("*.json"):
-        if p.name.startswith(".") or not p.stem.isdigit():
+    for p, name in manifests:
+        stem = name[:-len(".json")]
+        if name.startswith(".") or not stem.isdigit():
             continue  # a manifest being written (".<n>.json.tmp" or similar)
-        numbered[int(p.stem)] = p
+        numbered[int(stem)] = p
     out: list[DatasetCommit] = []
     n = after + 1
     while n in numbered and (upto is None or n <= upto):
         c = read_commit_manifest(numbered[n], root=root, tables=tables)
-        if not all((root / f).is_file() for f in c.files):
+        if not all(in_place(loc.join(str(root), f)) for f in c.files):
             break
         out.append(c)
         n += 1
@@ -819,7 +843,7 @@ class TrajectoryStream(IterableDataset):
     """Packed training batches of episode windows from committed ``steps/`` files, sharded, seeded, resumable.
 
     Args:
-        data_dir: dataset root (holds ``_manifests/`` and ``steps/``).
+        data_dir: dataset root (holds ``_manifests/`` and ``steps/``): a local directory or ``s3://BUCKET/PREFIX``.
         seq_len: tokens per packed sequence (and the longest window).
         batch_size: packed sequences per batch.
         recipe: dataset version to read; default: the only one present.
@@ -887,7 +911,7 @@ class TrajectoryStream(IterableDataset):
             world_size = torch.distributed.get_world_size() if dist_on and world_size is None else (world_size or 1)
         if not 0 <= rank < world_size:
             raise ValueError(f"`rank` {rank} must be in [0, world_size={world_size})")
-        self.data_dir = Path(data_dir)
+        self.data_dir: Path | str = os.fspath(data_dir).rstrip("/") if loc.is_remote(data_dir) else Path(data_dir)
         self.seq_len, self.batch_size = seq_len, batch_size
         self.filters = filters or StepFilter()
         self.advantage_field = advantage_field
@@ -1011,7 +1035,7 @@ class TrajectoryStream(IterableDataset):
         for rel in commit.files:
             if not self.filters.accepts_domain(_domain_of(rel)):
                 continue
-            frag = _FORMAT.make_fragment(str(self.data_dir / rel), filesystem=_LOCAL_FS)
+            frag = self._fragment(rel)
             for piece in frag.split_by_row_group(filter=expr, schema=step_file_schema()):
                 units.append(_Unit(file=rel, row_group=piece.row_groups[0].id, commit=commit.commit))
         if self.shuffle and self.mode == "tail":
@@ -1019,6 +1043,13 @@ class TrajectoryStream(IterableDataset):
             units = [units[i] for i in order]
         self._unit_cache[commit.commit] = units
         return units
+
+    def _fragment(self, rel: str, *, row_groups: list[int] | None = None) -> ds.ParquetFileFragment:
+        """The committed file ``rel`` (relative to the dataset root), on its filesystem."""
+        if isinstance(self.data_dir, Path):
+            return _FORMAT.make_fragment(str(self.data_dir / rel), filesystem=_LOCAL_FS, row_groups=row_groups)
+        fs, path = loc.filesystem(loc.join(self.data_dir, rel))  # one S3 client per process (workers too)
+        return _FORMAT.make_fragment(path, filesystem=fs, row_groups=row_groups)
 
     def _epoch_units(self, epoch: int, shard: int) -> list[_Unit]:
         """Offline: this shard's units of one epoch."""
@@ -1048,7 +1079,7 @@ class TrajectoryStream(IterableDataset):
 
     def _read_unit(self, unit: _Unit, epoch: int) -> _UnitRows:
         where = f"{unit.file} (row group {unit.row_group})"
-        frag = _FORMAT.make_fragment(str(self.data_dir / unit.file), filesystem=_LOCAL_FS, row_groups=[unit.row_group])
+        frag = self._fragment(unit.file, row_groups=[unit.row_group])
         table = _drop_eval_rows(frag, frag.to_table(schema=step_file_schema(), columns=_COLUMNS), where)
         episodes = _episode_blocks(table, where)
         if self.shuffle and len(episodes) > 1:

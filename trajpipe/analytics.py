@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from pipelines.catalog import Catalog, CatalogError, open_catalog, write_catalog
 from pipelines.reports import REPORTS, ReportError, report_sql
+from schemas import locations as loc
 
 __all__ = ["FORMATS", "AnalyticsError", "open_for_cli", "run_query", "write_result", "query_command",
            "catalog_command", "report_command"]
@@ -53,24 +54,33 @@ def parse_as_of(value: int | str | None) -> int | datetime | None:
     return when
 
 
-def open_for_cli(*, data: Path | None, archive: Path | None, runs: Sequence[Path] = (), version: str | None = None,
-                 as_of: int | str | None = None) -> Catalog:
+def open_for_cli(*, data: Path | str | None, archive: Path | None, runs: Sequence[Path] = (),
+                 version: str | None = None, as_of: int | str | None = None) -> Catalog:
     """:func:`open_catalog` with command-line errors (flags named, what exists listed).
 
+    ``data``: a local directory or ``s3://BUCKET/PREFIX`` (:mod:`schemas.locations`).
     ``as_of``: a commit number, or an ISO 8601 time (``2026-12-02T10:15:00Z``; no zone: UTC).
     """
     if data is None and archive is None:
         raise AnalyticsError("give `--data DIR` (a dataset root) and/or `--archive DIR` (an event archive)")
     for flag, path in (("--data", data), ("--archive", archive), *(("--runs", r) for r in runs)):
-        if path is not None and not Path(path).is_dir():
+        if path is not None and not loc.is_remote(path) and not Path(path).is_dir():
             parent = Path(path).parent
             there = ", ".join(sorted(p.name for p in parent.iterdir())[:12]) if parent.is_dir() else "nothing"
             raise AnalyticsError(f"`{flag}` {path} is not a directory; {parent} holds: {there}")
     as_of = parse_as_of(as_of)
     try:
+        if data is not None and loc.is_remote(data) and not loc.exists(data):
+            raise AnalyticsError(f"`--data` {data} does not exist (no such bucket, or nothing under that prefix); "
+                                 f"write a dataset there with `trajpipe pipeline run --out {data}`")
         return open_catalog(data=data, archive=archive, runs=runs, version=version, as_of=as_of)
     except CatalogError as err:
         raise AnalyticsError(str(err)) from err
+    except OSError as err:
+        if data is None or not loc.is_remote(data):
+            raise
+        raise AnalyticsError(f"`--data` {data} cannot be read: {_one_line(err)}; check the bucket and the AWS_* "
+                             "variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)") from err
 
 
 def run_query(catalog: Catalog, sql: str) -> pa.Table:
@@ -151,7 +161,7 @@ def _emit(text: str, out: Path | None) -> None:
         out.write_text(text, encoding="utf-8")
 
 
-def query_command(sql: str, *, data: Path | None, archive: Path | None, runs: Sequence[Path], version: str | None,
+def query_command(sql: str, *, data: Path | str | None, archive: Path | None, runs: Sequence[Path], version: str | None,
                   as_of: int | str | None, fmt: str, out: Path | None) -> dict[str, Any] | None:
     """``trajpipe query``: returns counts when ``--out`` wrote a file."""
     if fmt not in FORMATS:
@@ -163,7 +173,7 @@ def query_command(sql: str, *, data: Path | None, archive: Path | None, runs: Se
     return write_result(run_query(catalog, sql), fmt=fmt, out=out)
 
 
-def catalog_command(*, db: Path, data: Path | None, archive: Path | None, runs: Sequence[Path], version: str | None,
+def catalog_command(*, db: Path, data: Path | str | None, archive: Path | None, runs: Sequence[Path], version: str | None,
                     as_of: int | str | None) -> dict[str, Any]:
     """``trajpipe catalog``: write the DuckDB database file; returns its counts."""
     if db.is_dir():
@@ -171,10 +181,13 @@ def catalog_command(*, db: Path, data: Path | None, archive: Path | None, runs: 
     if not db.parent.is_dir():
         raise AnalyticsError(f"`--db` {db}: directory {db.parent} does not exist")
     catalog = open_for_cli(data=data, archive=archive, runs=runs, version=version, as_of=as_of)
-    return write_catalog(catalog, db)
+    try:
+        return write_catalog(catalog, db)
+    except CatalogError as err:
+        raise AnalyticsError(str(err)) from err
 
 
-def report_command(name: str, *, data: Path | None, archive: Path | None, runs: Sequence[Path], version: str | None,
+def report_command(name: str, *, data: Path | str | None, archive: Path | None, runs: Sequence[Path], version: str | None,
                    as_of: int | str | None, fmt: str, out: Path | None) -> dict[str, Any] | None:
     """``trajpipe report list|html|NAME``: returns counts when a file was written."""
     if name == "list":

@@ -209,6 +209,35 @@ def _local_location(value: str | Path) -> Path:
         raise typer.BadParameter(str(err)) from err
 
 
+def _dataset_location(value: str | Path) -> Path | str:
+    """Parser of the flags that name a dataset to read: a local path, a file:// URI or ``s3://BUCKET/PREFIX``.
+
+    An ``s3://`` URI stays a string (``Path`` would make ``s3:/b``); other schemes are refused at parse time.
+    """
+    from schemas.storage import StorageError, resolve, scheme_of
+
+    if scheme_of(value) != "s3":
+        return _local_location(value)
+    try:
+        resolve(value)  # a bucket is named, the AWS_* settings parse
+    except StorageError as err:
+        raise typer.BadParameter(str(err)) from err
+    return os.fspath(value).rstrip("/")
+
+
+def _check_remote_data(uri: str) -> None:
+    """``--data`` on an object store must be readable and hold dataset manifests (one line otherwise, exit 2)."""
+    from schemas import locations as loc
+
+    try:
+        found = loc.exists(loc.join(uri, "_manifests"))
+    except OSError as err:
+        _fail(f"`--data` {uri} cannot be read: {' '.join(str(err).split())}; check the bucket and the AWS_* "
+              "variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
+    if not found:
+        _fail(f"`--data` {uri} holds no dataset (no _manifests/); write one with `trajpipe pipeline run --out {uri}`")
+
+
 def _check_at_least(flag: str, value: float | None, low: float) -> None:
     if value is not None and value < low:
         _fail(f"`{flag}` must be >= {low:g}, got {value:g}")
@@ -516,8 +545,8 @@ def archive(
 
 @app.command("train")
 def train(
-    data: Annotated[Optional[Path], typer.Option(help="dataset root (holds _manifests/ and steps/)",
-                                                 parser=_local_location, metavar="PATH")] = None,
+    data: Annotated[Optional[Path], typer.Option(help="dataset root (holds _manifests/ and steps/): a directory or "
+                                                 "s3://BUCKET/PREFIX", parser=_dataset_location, metavar="PATH")] = None,
     recipe: Annotated[Optional[str], typer.Option(help="dataset version <name>-<hash8> (needed when --data holds several)")] = None,
     model: Annotated[Optional[Path], typer.Option(help="base model: a local HF directory")] = None,
     out: Annotated[Optional[Path], typer.Option(help="run directory: metrics.jsonl, checkpoints/, policies/",
@@ -549,12 +578,19 @@ def train(
     except TrainConfigError as err:
         _fail(str(err))
     # Checked here, before DeepSpeed and the process group start, so a wrong path is one line, not a rank traceback.
-    from schemas.storage import local_path
+    from schemas.storage import local_path, resolve, scheme_of
 
-    local_path(cfg.data.dir, flag="--data (data.dir)")  # the recipe YAML may name a remote location too
+    s3_data = scheme_of(cfg.data.dir) == "s3"
+    if s3_data:
+        resolve(cfg.data.dir)  # names a bucket; the AWS_* settings parse
+    else:
+        local_path(cfg.data.dir, flag="--data (data.dir)")  # the recipe YAML may name another scheme too
     local_path(cfg.out, flag="--out (out)")
     _check_model_dir(Path(cfg.model))
-    _check_dir("--data", Path(cfg.data.dir), must_exist=True)
+    if s3_data:
+        _check_remote_data(cfg.data.dir)
+    else:
+        _check_dir("--data", Path(cfg.data.dir), must_exist=True)
     _check_dir("--out", Path(cfg.out))
     if cfg.engine.deepspeed_config and not Path(cfg.engine.deepspeed_config).is_file():
         _fail(f"`--deepspeed-config` {cfg.engine.deepspeed_config} is not a file; give a DeepSpeed JSON/YAML file")
@@ -920,8 +956,9 @@ def feedback(
                    "domain": ref.domain, "policy_version": ref.policy_version})
 
 
-DataOpt = Annotated[Optional[Path], typer.Option("--data", help="dataset root (trajpipe pipeline run --out)",
-                                                 parser=_local_location, metavar="PATH")]
+DataOpt = Annotated[Optional[Path], typer.Option("--data", help="dataset root (trajpipe pipeline run --out): a "
+                                                 "directory or s3://BUCKET/PREFIX", parser=_dataset_location,
+                                                 metavar="PATH")]
 ArchiveOpt = Annotated[Optional[Path], typer.Option("--archive", help="event archive (trajpipe archive --out)",
                                                     parser=_local_location, metavar="PATH")]
 RunsOpt = Annotated[Optional[list[Path]], typer.Option("--runs", help="training run dir(s) (or their parent): "

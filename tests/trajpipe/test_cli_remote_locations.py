@@ -1,5 +1,6 @@
 """Every flag that names a dataset, archive or output location whose reader or writer is still local-only
-refuses an object-store URI, before any work.
+refuses an object-store URI, before any work (the dataset readers of `query`, `report` and `train --data`
+take ``s3://`` and refuse other schemes).
 
 Until the sinks and readers move onto the storage layer (issue 14), pathlib turned ``gs://bucket/x``
 into the local directory ``gs:/bucket/x``: on a remote worker the files stayed there while the
@@ -62,6 +63,8 @@ CASES = {
 }
 
 
+#: Flags whose readers take ``s3://`` (tests/storage/test_readers_s3.py): refused for another scheme.
+GS_ONLY = ("train --data", "train data.dir in --config", "query --data", "report --data", "loop run_dir in --config")
 #: Run as real processes (the console script's path); the rest in-process through the same error handling.
 SUBPROCESS = ("archive --out", "pipeline run --mode stream --out", "train data.dir in --config")
 
@@ -77,7 +80,7 @@ def _dirs(tmp_path: Path) -> tuple[Path, Path]:
 def test_a_remote_location_is_refused_with_one_line_naming_the_flag(case, tmp_path, monkeypatch):
     args, flag = CASES[case]
     work, local = _dirs(tmp_path)
-    uri = "gs://bucket/datasets" if "loop" in case else "s3://bucket/datasets"
+    uri = "gs://bucket/datasets" if case in GS_ONLY else "s3://bucket/datasets"
     (local / "train.yaml").write_text(f"model: {local}\ndata: {{dir: {uri}}}\nout: {local}/run\n")
     (local / "loop.yaml").write_text(f"run_dir: {uri}\nmodel: {local}\nbudget: {{seconds: 10}}\n")
     argv = [a.format(dir=local, uri=uri) for a in args]
