@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import time
 
 import duckdb
 import polars as pl
@@ -133,15 +132,16 @@ def test_a_stale_writer_is_refused_by_the_conditional_put_and_retried_on_the_nex
     assert sorted(_batch_ids(table)) == ["a", "b", "v0"]
 
 
-def _append_many(uri: str, writer: int, env: dict[str, str], start: multiprocessing.Event,
-                 results: multiprocessing.Queue) -> None:
+def _append_many(uri: str, writer: int, env: dict[str, str], ready: multiprocessing.Queue,
+                 start: multiprocessing.Event, results: multiprocessing.Queue) -> None:
     """One writer process: COMMITS_PER_WRITER appends, each its own batch id and transaction version."""
     os.environ.update(env)
     from deltalake.exceptions import CommitFailedError
 
     options = delta_storage_options(uri)
     DeltaTable(uri, storage_options=options).version()  # warm up (runtime, connections) before the start line
-    start.wait(60)
+    ready.put(writer)
+    start.wait(180)
     retried = 0
     for i in range(COMMITS_PER_WRITER):
         batch = f"w{writer}-{i:02d}"
@@ -166,11 +166,14 @@ def test_two_processes_appending_at_once_lose_and_double_no_commit(s3_env):
     write_deltalake(uri, _steps("init", 4), mode="append", partition_by=["domain"], storage_options=options,
                     commit_properties=_commit("init", app_id="init", version=0))
     ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no inherited runtime threads
-    start, results = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_append_many, args=(uri, w, s3_env.env(), start, results)) for w in range(WRITERS)]
+    ready, start, results = ctx.Queue(), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_append_many, args=(uri, w, s3_env.env(), ready, start, results))
+             for w in range(WRITERS)]
     for p in procs:
         p.start()
-    time.sleep(1.0)
+    # the start line once every writer is warmed up: a fresh interpreter's imports take seconds on a loaded
+    # machine, and a fixed wait let one writer make all its commits before the other began (seen under xdist)
+    [ready.get(timeout=180) for _ in procs]
     start.set()
     outcomes = [results.get(timeout=300) for _ in procs]
     for p in procs:
