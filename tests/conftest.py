@@ -20,7 +20,7 @@ import pytest
 from streams.broker import BrokerInfo, start_broker, stop_broker
 from streams.config import KafkaConnection
 from tests.helpers import free_port
-from tests.s3_helpers import S3Store, start_seaweedfs, stop_seaweedfs
+from tests.s3_helpers import S3Store, aws_environment, start_seaweedfs, stop_seaweedfs
 
 
 def _session_broker(tmp_path_factory: pytest.TempPathFactory, engine: str) -> Iterator[BrokerInfo]:
@@ -120,6 +120,13 @@ def s3_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Store]:
         yield store
     finally:
         stop_seaweedfs(store)
+
+
+@pytest.fixture
+def s3_env(s3_store: S3Store) -> Iterator[S3Store]:
+    """The session's S3 store, with its AWS_* variables in this process for the test (tests/s3_helpers.py)."""
+    with aws_environment(s3_store):
+        yield s3_store
 
 
 @pytest.fixture

@@ -8,12 +8,14 @@ bucket, and stops the server (its whole process group) at the end.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -139,3 +141,17 @@ def stop_seaweedfs(store: S3Store, *, timeout_s: float = 5.0) -> None:
     for port in store.grpc_ports:
         for sock in Path("/tmp").glob(f"seaweedfs-*-grpc-{port}.sock"):
             sock.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def aws_environment(store: S3Store) -> Iterator[S3Store]:
+    """Inside the block, this process's AWS_* variables are the store's (any other AWS_* removed): what an
+    in-process client (pyarrow, delta-rs, polars, the Beam job's in-process workers) reads; restored after."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in [k for k in os.environ if k.startswith("AWS_")]:
+            mp.delenv(name)
+        for name, value in store.env().items():
+            mp.setenv(name, value)
+        yield store

@@ -30,6 +30,7 @@ from schemas import locations as loc
 from schemas.storage import delta_storage_options
 from pipelines.runners import RunnerConfigError, flink_cluster_master, runner_options
 from tests.helpers import free_port, produce_messages, topic_env
+from tests.s3_helpers import aws_environment
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -100,9 +101,7 @@ def test_unreachable_flink_master_is_one_error_line(tmp_path):
 def cluster(tmp_path_factory, s3_store) -> FlinkCluster:
     """A session cluster whose processes hold the S3 store's AWS variables, as a deployment's TaskManagers
     hold their credentials: the SDK workers they start write the dataset straight to the store."""
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in s3_store.env().items():
-            mp.setenv(k, v)
+    with aws_environment(s3_store):
         c = start_cluster(tmp_path_factory.mktemp("flink"), task_managers=2, slots=1)
     try:
         yield c
@@ -142,9 +141,7 @@ def test_trajectory_job_on_session_cluster_same_rows_as_fnapi(kafka_broker, clus
         # A dead letter's `timestamp` is when the run detected the problem (schemas/deadletter.py): not compared.
         # the cluster's rows as its Delta tables hold them, FnApiRunner's as the files on disk
         fn_rows = _table(tmp_path / "fnapi", name).drop("timestamp", strict=False)
-        with pytest.MonkeyPatch.context() as mp:  # the test process reads the store with the same variables
-            for k, v in s3_store.env().items():
-                mp.setenv(k, v)
+        with aws_environment(s3_store):  # the test process reads the store with the same variables
             flink_rows = _table(flink_out, name, delta=True).drop("timestamp", strict=False)
         assert fn_rows.height > 0, name
         assert_frame_equal(flink_rows, fn_rows, check_exact=False, rel_tol=1e-9, abs_tol=1e-12)

@@ -45,16 +45,6 @@ REPO = Path(__file__).resolve().parents[2]
 N = 24
 
 
-@pytest.fixture
-def s3_env(s3_store, monkeypatch):
-    """The AWS_* variables of the test store in this process (the job and its in-process workers read them)."""
-    for name in [k for k in os.environ if k.startswith("AWS_")]:
-        monkeypatch.delenv(name)
-    for name, value in s3_store.env().items():
-        monkeypatch.setenv(name, value)
-    return s3_store
-
-
 @pytest.fixture(scope="module")
 def events_topic(kafka_broker) -> tuple[str, str, int]:
     """``(bootstrap, topic, records)``: N synthetic episodes on a 2-partition topic, plus one undecodable record."""

@@ -35,6 +35,7 @@ from schemas.storage import delta_storage_options
 from streams.synth import generate_episodes
 from tests.helpers import produce_messages
 from tests.pipelines.helpers import flat
+from tests.s3_helpers import aws_environment
 from trainer.data import TrajectoryLoader, TrajectoryStream
 
 # ~6 min here on 2 busy cores (a Kafka broker, SeaweedFS, four job runs, a DeepSpeed run)
@@ -56,11 +57,7 @@ order by what
 @pytest.fixture(scope="module")
 def s3_env(s3_store):
     """The AWS_* variables of the test store in this process, for the module."""
-    with pytest.MonkeyPatch.context() as mp:
-        for name in [k for k in os.environ if k.startswith("AWS_")]:
-            mp.delenv(name)
-        for name, value in s3_store.env().items():
-            mp.setenv(name, value)
+    with aws_environment(s3_store):
         yield s3_store
 
 

@@ -34,16 +34,6 @@ BATCH_KEY = "trajpipe.batch_id"
 WRITERS, COMMITS_PER_WRITER, ROWS_PER_COMMIT = 2, 20, 3
 
 
-@pytest.fixture
-def s3_env(s3_store, monkeypatch):
-    """The process environment of a client of the test store (AWS_* variables), and the store."""
-    for name in [k for k in os.environ if k.startswith("AWS_")]:
-        monkeypatch.delenv(name)
-    for name, value in s3_store.env().items():
-        monkeypatch.setenv(name, value)
-    return s3_store
-
-
 def _steps(batch_id: str, n: int, *, start: int = 0) -> pa.Table:
     """``n`` step-like rows of one batch, spread over the four domains."""
     return pa.table({
