@@ -66,7 +66,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from pipelines import delta_tables
+from pipelines import delta_tables, testhooks
 from pipelines.groups import GroupState, HeldPart, HeldState
 from pipelines.late import LATE_STATE_FILE, LateState, late_state_index, late_state_newest_s
 from pipelines.normalize import NormState, RunningStats, load_norm_state
@@ -292,7 +292,6 @@ def commit_staged(
     manifest: DatasetManifest,
     *,
     prior_norm: NormState,
-    crash_at: str | None = None,
 ) -> DatasetManifest:
     """Commit the staged files of ``manifest.commit`` (see the module docstring).
 
@@ -303,15 +302,16 @@ def commit_staged(
             staged late-state file is added to ``late_state`` (which holds the
             files carried over: :func:`carry_late_state`).
         prior_norm: persisted statistics before this run.
-        crash_at: test hook simulating a crash: ``before_manifest``,
-            ``after_manifest`` (manifest written, one file renamed) or
-            ``before_delta`` (files in place, no Delta transaction made).
+
+    Tests simulate a crash at each commit point with :func:`pipelines.testhooks.crash_at`:
+    ``before_manifest``, ``after_manifest`` (manifest written, one file renamed) or
+    ``before_delta`` (files in place, no Delta transaction made).
 
     Returns:
         The manifest as written.
 
     Raises:
-        CommitError: for a simulated crash.
+        CommitError: for a simulated crash (tests).
     """
     n = manifest.commit
     staging = layout.staging(n)
@@ -361,15 +361,15 @@ def commit_staged(
     manifest = msgspec.structs.replace(manifest, files=files, pending_file=pending_file, groups_file=groups_file,
                                        held_parts=sorted(held_parts), late_state=late_state,
                                        norm_file=layout.norm_file)
-    if crash_at == "before_manifest":
+    if testhooks.crashes_at("before_manifest"):
         raise CommitError(f"simulated crash before the manifest of commit {n}")
     _write_manifest(layout, manifest)
-    if crash_at == "after_manifest":
+    if testhooks.crashes_at("after_manifest"):
         first = files[0]
         loc.move(layout.at(first.staged), layout.at(first.path))
         raise CommitError(f"simulated crash after the manifest of commit {n}")
     _roll_forward(layout, manifest)
-    if crash_at == "before_delta":
+    if testhooks.crashes_at("before_delta"):
         raise CommitError(f"simulated crash before the Delta transactions of commit {n}")
     delta_tables.publish_commit(layout.root, manifest)
     return manifest
