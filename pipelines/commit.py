@@ -41,6 +41,10 @@ back (deleted), and every Delta table is brought up to the last manifest
 (:func:`pipelines.delta_tables.roll_forward`). A crash anywhere plus a rerun
 therefore yields the same dataset, and a rerun of covered input adds nothing.
 
+The manifest types (:class:`DatasetManifest`, :class:`CommittedFile`) live in
+:mod:`schemas.manifests`, where readers that must not import ``pipelines``
+(the trainer) find them; they are re-exported here.
+
 Examples:
     >>> m = DatasetManifest(commit=1, version="outcome-0a1b2c3d", recipe_hash="0a1b", source="archive")
     >>> msgspec.json.decode(msgspec.json.encode(m), type=DatasetManifest).commit
@@ -54,9 +58,7 @@ import fcntl
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pyarrow as pa
@@ -64,14 +66,13 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from pipelines import delta_tables
+from pipelines import delta_tables, testhooks
 from pipelines.groups import GroupState, HeldPart, HeldState
 from pipelines.late import LATE_STATE_FILE, LateState, late_state_index, late_state_newest_s
 from pipelines.normalize import NormState, RunningStats, load_norm_state
 from pipelines.sinks import GROUPS_FILE, HELD_DIR, PENDING_FILE, RUN_STATS_FILE, STAGED_SUFFIX
-from schemas.datasets import DATASET_SCHEMA_VERSION
-from schemas.events import SCHEMA_VERSION
 from schemas import locations as loc
+from schemas.manifests import CommittedFile, DatasetManifest, decode_manifest
 from schemas.storage import fsync_dir
 
 __all__ = [
@@ -111,79 +112,6 @@ class CommitConflict(CommitError):
     def of(cls, commit: int, version: str, out: str) -> "CommitConflict":
         return cls(f"another run committed {commit} of {version} at {out} first; this run's output is discarded "
                    "(nothing of it was committed): rerun to continue from that commit")
-
-
-class CommittedFile(msgspec.Struct, frozen=True, kw_only=True):
-    """One file of a commit.
-
-    Attributes:
-        path: final path, relative to ``<out>``.
-        staged: staged path, relative to ``<out>``.
-        rows: rows in the file (0 for state files).
-    """
-
-    path: str
-    staged: str
-    rows: int = 0
-
-
-class DatasetManifest(msgspec.Struct, kw_only=True):
-    """One dataset commit (``_manifests/<version>/<n>.json``).
-
-    Attributes:
-        commit: commit number, from 1, gap-free per version.
-        version: dataset version ``<recipe name>-<hash8>``.
-        recipe_hash: full sha256 of the recipe's canonical JSON.
-        recipe: the recipe's fields (as in its YAML form).
-        source: ``archive``, ``kafka`` or ``raw``.
-        mode: ``batch`` (one commit per micro-batch) or ``stream`` (one commit
-            per event-time window pane of the streaming job).
-        window: ``[start, end)`` of the pane's event-time window, epoch seconds
-            (stream; None for the end-of-stream pending commit).
-        pane: ``ON_TIME``, ``LATE``, ... and the pane index, e.g. ``LATE/2`` (stream).
-        archive_dir: the archive read (archive source).
-        archive_commits: archive commits this commit covers.
-        offsets: ``topic -> partition -> [start, end)`` covered (Kafka source); in
-            stream mode the offsets of the records whose batches fell into the pane.
-        files: every file of the commit (data and state).
-        pending_file: the pending-state file after this commit (None: nothing pending).
-        groups_file: the held-group state after this commit (None: the commit decided
-            no groups, e.g. a stream's pending-state commit; the last one that did stands).
-        held_parts: base paths (relative to ``<out>``) of the held groups' rows
-            (``<base>.trajectories.arrow``, ``<base>.steps.arrow``), with ``groups_file``.
-        late_state: the late-state files after this commit (pipelines/late.py):
-            ``path -> newest event time in it`` (epoch seconds), in commit order;
-            a file is dropped once that is older than the retention.
-        norm_file: the persisted statistics file.
-        clock_s: event-time clock (epoch seconds) after this commit.
-        counts: the run's counts (events_in, episodes, steps, dead_letters, ...).
-        schema_version: dataset row layout version.
-        event_schema_version: event-model version of this reader.
-        created_at: when the commit was made (UTC).
-    """
-
-    commit: int
-    version: str
-    recipe_hash: str
-    source: str
-    mode: str = "batch"
-    window: list[float] | None = None
-    pane: str | None = None
-    recipe: dict[str, Any] = {}
-    archive_dir: str | None = None
-    archive_commits: list[int] = []
-    offsets: dict[str, dict[int, list[int]]] = {}
-    files: list[CommittedFile] = []
-    pending_file: str | None = None
-    groups_file: str | None = None
-    held_parts: list[str] = []
-    late_state: dict[str, float] = {}
-    norm_file: str | None = None
-    clock_s: float = 0.0
-    counts: dict[str, int] = {}
-    schema_version: int = DATASET_SCHEMA_VERSION
-    event_schema_version: int = SCHEMA_VERSION
-    created_at: datetime = msgspec.field(default_factory=lambda: datetime.now(timezone.utc))
 
 
 class DatasetLayout(msgspec.Struct, frozen=True):
@@ -254,7 +182,7 @@ def read_manifests(layout: DatasetLayout) -> list[DatasetManifest]:
         if path.rsplit("/", 1)[-1].startswith("."):  # a temporary file of an interrupted write
             continue
         try:
-            out.append(msgspec.json.decode(loc.read_bytes(path), type=DatasetManifest))
+            out.append(decode_manifest(loc.read_bytes(path)))
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
             raise CommitError(f"dataset manifest {path} is unreadable: {err}") from err
     for i, m in enumerate(out, start=1):
@@ -364,7 +292,6 @@ def commit_staged(
     manifest: DatasetManifest,
     *,
     prior_norm: NormState,
-    crash_at: str | None = None,
 ) -> DatasetManifest:
     """Commit the staged files of ``manifest.commit`` (see the module docstring).
 
@@ -375,15 +302,16 @@ def commit_staged(
             staged late-state file is added to ``late_state`` (which holds the
             files carried over: :func:`carry_late_state`).
         prior_norm: persisted statistics before this run.
-        crash_at: test hook simulating a crash: ``before_manifest``,
-            ``after_manifest`` (manifest written, one file renamed) or
-            ``before_delta`` (files in place, no Delta transaction made).
+
+    Tests simulate a crash at each commit point with :func:`pipelines.testhooks.crash_at`:
+    ``before_manifest``, ``after_manifest`` (manifest written, one file renamed) or
+    ``before_delta`` (files in place, no Delta transaction made).
 
     Returns:
         The manifest as written.
 
     Raises:
-        CommitError: for a simulated crash.
+        CommitError: for a simulated crash (tests).
     """
     n = manifest.commit
     staging = layout.staging(n)
@@ -433,15 +361,15 @@ def commit_staged(
     manifest = msgspec.structs.replace(manifest, files=files, pending_file=pending_file, groups_file=groups_file,
                                        held_parts=sorted(held_parts), late_state=late_state,
                                        norm_file=layout.norm_file)
-    if crash_at == "before_manifest":
+    if testhooks.crashes_at("before_manifest"):
         raise CommitError(f"simulated crash before the manifest of commit {n}")
     _write_manifest(layout, manifest)
-    if crash_at == "after_manifest":
+    if testhooks.crashes_at("after_manifest"):
         first = files[0]
         loc.move(layout.at(first.staged), layout.at(first.path))
         raise CommitError(f"simulated crash after the manifest of commit {n}")
     _roll_forward(layout, manifest)
-    if crash_at == "before_delta":
+    if testhooks.crashes_at("before_delta"):
         raise CommitError(f"simulated crash before the Delta transactions of commit {n}")
     delta_tables.publish_commit(layout.root, manifest)
     return manifest

@@ -181,42 +181,21 @@ def _status(episode: Episode) -> str:
 
 
 def episode_rows(episode: Episode, recipe: Recipe) -> tuple[TrajectoryRow, list[StepRow]]:
-    """The dataset rows of an episode, one object per row (no step rows for an incomplete one).
+    """The dataset rows of an episode as objects, one per row (no step rows for an incomplete one).
 
-    The definition of every column; :class:`RowsBuffer` builds the same
-    tables column-wise (tests hold the two equal). An episode not normalized
-    yet gets ``normalized_advantage``/``group_advantage``/``group_size`` 0.
+    The rows :class:`RowsBuffer` builds (the one definition of every column),
+    read back into :class:`~schemas.datasets.StepRow` objects with their
+    partition keys: for tests and tools that look at single rows; the job
+    writes tables. An episode not normalized yet gets
+    ``normalized_advantage``/``group_advantage``/``group_size`` 0.
     """
-    version, h = _recipe_ids(recipe)
-    norm = episode.normalized_advantages
-    status = _status(episode)
-    sampling = episode.sampling
-    steps: list[StepRow] = []
-    disagreements = 0
-    if episode.complete:
-        last = len(episode.steps) - 1
-        obs, act, context = _token_counts(episode.steps)
-        for t, (s, vs) in enumerate(zip(episode.steps, episode.verdicts)):
-            n_disagree = step_disagreements(vs)
-            disagreements += n_disagree
-            steps.append(StepRow(
-                episode_id=episode.episode_id, step_index=s.step_index, event_id=s.event_id,
-                domain=episode.domain, recipe=version, recipe_hash=h, task_id=episode.task_id,
-                task_group=episode.task_group, policy_version=s.policy_version, status=status,
-                num_steps=len(episode.steps), observation_token_ids=s.observation_token_ids,
-                action_token_ids=s.action_token_ids, observation_tokens=obs[t], action_tokens=act[t],
-                context_tokens=context[t], behaviour_logprobs=s.behaviour_logprobs,
-                temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                context_cut_start=s.context_cut_start, context_cut_tokens=s.context_cut_tokens,
-                policy_lineage=episode.policy_lineage, trainable=episode.trainable,
-                loss_mask=episode.loss_masks[t], reward=float(episode.rewards[t]),
-                return_to_go=float(episode.returns[t]), advantage=float(episode.advantages[t]),
-                normalized_advantage=float(norm[t]) if norm is not None else 0.0,
-                group_advantage=float(episode.group_advantage or 0.0), group_size=episode.group_members,
-                verifications=vs, verification_score=verification_score(vs, recipe.verifier_weights),
-                verifier_disagreements=n_disagree, clipped=episode.clipped and t == last, event_time=s.event_time,
-            ))
-    return trajectory_row(episode, recipe, disagreements=disagreements if episode.complete else 0), steps
+    from schemas.codec import _dec_hook  # token arrays from lists, as the JSON form decodes them
+
+    rows = RowsBuffer(recipe)
+    rows.add(episode)
+    keys = {"domain": episode.domain, "recipe": _recipe_ids(recipe)[0]}
+    steps = [msgspec.convert({**r, **keys}, StepRow, dec_hook=_dec_hook) for r in rows.steps_table().to_pylist()]
+    return rows.trajectory_rows[0], steps
 
 
 def _token_counts(steps: Sequence[Step]) -> tuple[list[int], list[int], list[int]]:
@@ -227,11 +206,14 @@ def _token_counts(steps: Sequence[Step]) -> tuple[list[int], list[int], list[int
 
 
 class RowsBuffer:
-    """Dataset rows of many episodes, kept as columns: :func:`episode_rows` without a Python object per step.
+    """Dataset rows of many episodes, kept as columns (no Python object per step): the definition of every column.
 
     ``add`` complete or incomplete episodes in the order the rows should have,
     then ``tables()`` gives the ``trajectories/`` and ``steps/`` file tables
-    (the schemas of :mod:`schemas.datasets`, partition keys excluded).
+    (the schemas of :mod:`schemas.datasets`, partition keys excluded). A
+    trajectory row is one :func:`trajectory_row` per episode; a step row's
+    columns are built here, and nowhere else (:func:`episode_rows` reads them
+    back as objects).
     """
 
     _LISTED = ("episode_id", "step_index", "event_id", "task_id", "task_group", "policy_version", "status",
@@ -297,16 +279,24 @@ class RowsBuffer:
         c["normalized_advantage"].append(norm if norm is not None else np.zeros(n))
         self.steps += n
 
-    def tables(self) -> tuple[pa.Table, pa.Table]:
-        """``(trajectories, steps)`` tables of everything added."""
+    @property
+    def trajectory_rows(self) -> list[TrajectoryRow]:
+        """The ``trajectories/`` rows of everything added, in order (:func:`trajectory_row`)."""
+        return self._trajs
+
+    def steps_table(self) -> pa.Table:
+        """The ``steps/`` table of everything added (:func:`~schemas.datasets.step_file_schema`)."""
         schema = step_file_schema()
         with gc_paused():
             columns = dict(self._cols)
             for k in self._ARRAYS:
                 columns[k] = np.concatenate(columns[k]).astype(np.float64) if columns[k] else np.array([])
             columns["recipe_hash"] = [_recipe_ids(self._recipe)[1]] * self.steps
-            steps = pa.Table.from_arrays([_column(columns[f.name], f.type) for f in schema], schema=schema)
-        return rows_to_table(self._trajs, trajectory_file_schema()), steps
+            return pa.Table.from_arrays([_column(columns[f.name], f.type) for f in schema], schema=schema)
+
+    def tables(self) -> tuple[pa.Table, pa.Table]:
+        """``(trajectories, steps)`` tables of everything added."""
+        return rows_to_table(self._trajs, trajectory_file_schema()), self.steps_table()
 
 
 def episodes_to_tables(episodes: Iterable[Episode], recipe: Recipe) -> tuple[pa.Table, pa.Table]:

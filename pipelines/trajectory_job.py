@@ -130,6 +130,7 @@ from pipelines.groups import DEFAULT_GROUP_TIMEOUT_S
 from pipelines.recipes import Recipe, load_recipe
 from pipelines.rewards import ComputeProcessRewards
 from pipelines.sinks import STAGED_SUFFIX, WriteDatasets
+from pipelines import testhooks
 from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE, RawRecords
 from pipelines.verify import VerifySteps
 from schemas.events import Event
@@ -373,7 +374,6 @@ def _run_batch_locked(
     options: PipelineOptions | None = None,
     runner_name: str = "FnApiRunner",
     archive: str | Path | None = None,
-    raw_records: Sequence[RawRecords] | None = None,
     kafka: dict[str, Any] | None = None,
     incomplete_after_s: float = 3600.0,
     shards: int = 1,
@@ -382,18 +382,17 @@ def _run_batch_locked(
     max_future_s: float = DEFAULT_MAX_FUTURE_S,
     use_domain_verifiers: bool = True,
     tokenizer: str | None = None,
-    crash_at: str | None = None,
 ) -> dict[str, int]:
     """One micro-batch: recover, read the uncovered input, run the pipeline, commit (under the lock: :func:`run_batch`).
 
     Args:
         out: dataset root.
         recipe: the reward recipe (names the dataset version).
-        source: ``archive``, ``kafka`` or ``raw`` (``raw_records`` given in memory, for tests).
+        source: ``archive`` or ``kafka`` (tests: ``raw``, records given in memory by
+            :func:`pipelines.testhooks.run_batch_on_records`).
         options: Beam options (runner options pass through).
         runner_name: the runner (FnApiRunner is instantiated explicitly).
         archive: archive directory (``archive`` source).
-        raw_records: record batches (``raw`` source).
         kafka: ``{"conn": KafkaConnection, "topic": str}`` (``kafka`` source).
         incomplete_after_s: idle event time before an unfinished episode is incomplete.
         shards: files per (table, domain) per commit.
@@ -405,7 +404,6 @@ def _run_batch_locked(
         use_domain_verifiers: run ``rollout.verifiers`` in VerifySteps.
         tokenizer: model directory whose tokenizer turns corrections into ``corrections/`` samples
             (pipelines/feedback.py; None: corrections stay in ``feedback/``, counted unresolved).
-        crash_at: commit test hook (see :func:`pipelines.commit.commit_staged`).
 
     Returns:
         The counts (keys :data:`COUNT_KEYS`); all zero when there was no new input.
@@ -420,6 +418,7 @@ def _run_batch_locked(
                                source=source, recipe=msgspec.to_builtins(recipe))
     files: list[ArchiveFile] = []
     ranges: list[Any] = []
+    raw_records: list[RawRecords] | None = None
     if source == "archive":
         covered = [c for m in manifests for c in m.archive_commits]
         files = list_archive_files(archive, skip_commits=covered)
@@ -436,7 +435,11 @@ def _run_batch_locked(
         ranges = ranges_from(topic=topic, start=start, end=end)
         manifest.offsets = {topic: {p: [start.get(p, 0), e] for p, e in sorted(end.items())}}
         has_input = bool(ranges)
-    elif source == "raw":
+    elif source == testhooks.RAW_SOURCE:
+        raw_records = testhooks.injected_records()
+        if raw_records is None:
+            raise JobError(f"source {source!r} reads in-memory records, which only tests give "
+                           "(pipelines.testhooks.run_batch_on_records); use `archive` or `kafka`")
         has_input = bool(raw_records)
     else:
         raise JobError(f"unknown source {source!r}")
@@ -541,7 +544,7 @@ def _run_batch_locked(
             loc.delete_dir(staging)
             raise CommitConflict.of(commit, recipe.version, str(out)) from err
         raise
-    commit_staged(layout, manifest, prior_norm=prior, crash_at=crash_at)
+    commit_staged(layout, manifest, prior_norm=prior)
     _check_accounted(counts)
     return counts
 

@@ -107,6 +107,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from schemas import locations as loc
 from schemas.datasets import step_file_schema
 from schemas.events import PURPOSE_EVAL
+from schemas.manifests import MANIFEST_DIR, decode_manifest
 
 __all__ = [
     "MANIFEST_DIR",
@@ -128,8 +129,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Directory of commit manifests under the dataset root.
-MANIFEST_DIR = "_manifests"
 #: Version of the :meth:`TrajectoryStream.state_dict` layout (2: positions are (unit, episode, window)).
 STATE_FORMAT = 2
 
@@ -168,13 +167,11 @@ class DatasetCommit(msgspec.Struct, frozen=True, kw_only=True):
 
 def read_commit_manifest(path: Path | str, *, root: Path | str,
                          tables: Sequence[str] = ("steps",)) -> DatasetCommit:
-    """Read one commit manifest (``pipelines.commit.DatasetManifest``, docs/pipelines.md); keep its ``steps/`` files.
+    """Read one commit manifest (:class:`schemas.manifests.DatasetManifest`, docs/pipelines.md); keep its ``steps/`` files.
 
     Only ``commit`` and ``files[].path`` (relative to the dataset root) are
-    used; the trainer does not import ``pipelines``, so the manifest is read as
-    plain JSON. A file entry may also be a bare path string. ``tables`` names
-    the step-shaped tables to keep (``steps``, and ``corrections``: feedback
-    corrections as one-step samples, docs/feedback.md).
+    used. ``tables`` names the step-shaped tables to keep (``steps``, and
+    ``corrections``: feedback corrections as one-step samples, docs/feedback.md).
 
     Args:
         path: the manifest's location (a local path or an ``s3://`` URI).
@@ -182,23 +179,21 @@ def read_commit_manifest(path: Path | str, *, root: Path | str,
         tables: see above.
 
     Raises:
-        DataError: the manifest is not JSON or has no ``files`` list.
+        DataError: the manifest is unreadable, not JSON, or not a dataset manifest.
     """
-    parent, _, name = os.fspath(path).rpartition("/")
+    parent = os.fspath(path).rpartition("/")[0]
     try:
-        doc = json.loads(loc.read_bytes(path))
-        entries = doc["files"]
-        commit = int(doc.get("commit", name.split(".")[0]))
-    except (OSError, ValueError, KeyError, TypeError) as err:
+        manifest = decode_manifest(loc.read_bytes(path))
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as err:
         raise DataError(f"commit manifest {path} is unreadable or has no `files` list: {err!r}") from err
     files = []
-    for entry in entries:
-        rel = Path(entry["path"] if isinstance(entry, dict) else entry)
+    for entry in manifest.files:
+        rel = Path(entry.path)
         if not loc.is_remote(root) and rel.is_absolute() and rel.is_relative_to(root):
             rel = rel.relative_to(root)
         if rel.parts and rel.parts[0] in tables and rel.suffix == ".parquet":
             files.append(rel.as_posix())
-    return DatasetCommit(commit=commit, recipe=parent.rpartition("/")[2], files=tuple(sorted(set(files))))
+    return DatasetCommit(commit=manifest.commit, recipe=parent.rpartition("/")[2], files=tuple(sorted(set(files))))
 
 
 def list_recipes(data_dir: Path | str) -> list[str]:

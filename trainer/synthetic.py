@@ -35,13 +35,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.arrow import arrow_schema_for
-from schemas.datasets import DATASET_SCHEMA_VERSION, PARTITION_KEYS, StepRow, context_tokens_of
+from schemas.datasets import PARTITION_KEYS, StepRow, context_tokens_of
 from schemas.events import as_logprobs, as_token_ids, make_event_id
+from schemas.manifests import CommittedFile, DatasetManifest
 from schemas.storage import atomic_write
 
 __all__ = ["make_step_rows", "write_steps_commit", "write_random_commit", "DEFAULT_RECIPE"]
@@ -177,12 +179,11 @@ def _write_aligned(table: pa.Table, path: Path, *, row_group_size: int) -> None:
 
 
 def _manifest(commit: int, recipe: str, files: list[str], rows: list[int]) -> dict[str, Any]:
-    """The subset of ``pipelines.commit.DatasetManifest`` readers use, in the same field names."""
-    return {
-        "commit": commit, "version": recipe, "recipe_hash": "0" * 64, "source": "synthetic",
-        "files": [{"path": f, "staged": f + ".tmp", "rows": n} for f, n in zip(files, rows)],
-        "schema_version": DATASET_SCHEMA_VERSION, "created_at": datetime.now(timezone.utc).isoformat(),
-    }
+    """The :class:`schemas.manifests.DatasetManifest` of a synthetic commit, as JSON-ready builtins."""
+    return msgspec.to_builtins(DatasetManifest(
+        commit=commit, version=recipe, recipe_hash="0" * 64, source="synthetic",
+        files=[CommittedFile(path=f, staged=f + ".tmp", rows=n) for f, n in zip(files, rows)],
+    ))
 
 
 def write_steps_commit(

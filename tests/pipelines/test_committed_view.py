@@ -13,7 +13,7 @@ from pipelines.commit import DatasetLayout, committed_episodes, read_manifests
 from pipelines.committed import CommittedView
 from pipelines.counts import COUNTS_TAG, BundleCounts, StageCounts, read_staged_counts
 from pipelines.recipes import load_recipe
-from pipelines.trajectory_job import run_batch
+from pipelines.testhooks import run_batch_on_records
 from pipelines.types import RawRecords
 from schemas.codec import encode_event
 from tests.pipelines.helpers import episodes, flat, make_pipeline
@@ -33,7 +33,7 @@ def test_view_reads_what_the_driver_read_and_not_a_replaced_dataset(tmp_path):
     layout = DatasetLayout(out=str(out), version=recipe.version, recipe_hash=recipe.content_hash)
     # whole GRPO groups (synthetic episodes come in groups of 4), so nothing is held back
     a, b = episodes(8, seed=1), episodes(8, seed=2)
-    run = lambda eps: run_batch(out=out, recipe=recipe, source="raw", raw_records=[_batch(eps)])  # noqa: E731
+    run = lambda eps: run_batch_on_records([_batch(eps)], out=out, recipe=recipe)  # noqa: E731
     assert run(a[:4])["episodes"] == 4
     assert run(a)["duplicates"] == len(flat(a[:4]))  # a[:4] again: duplicates, found through the view
     view = CommittedView.of(layout, read_manifests(layout))

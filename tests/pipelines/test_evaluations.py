@@ -17,7 +17,8 @@ import pytest
 from pipelines.commit import DatasetLayout, committed_episodes, read_manifests
 from pipelines.evaluations import eval_run_of
 from pipelines.recipes import load_recipe
-from pipelines.trajectory_job import run, run_batch
+from pipelines.testhooks import run_batch_on_records
+from pipelines.trajectory_job import run
 from pipelines.types import RawRecords
 from schemas.codec import encode_event
 from schemas.events import EpisodeStatus
@@ -117,7 +118,7 @@ def test_raw_records_path_and_an_unfinished_eval_episode(tmp_path):
                        keys=[e.episode_id.encode() for e in events], values=[encode_event(e) for e in events],
                        timestamps_ms=[0] * len(events))
     out = tmp_path / "out"
-    c = run_batch(out=out, recipe=load_recipe("outcome"), source="raw", raw_records=[batch], incomplete_after_s=1)
+    c = run_batch_on_records([batch], out=out, recipe=load_recipe("outcome"), incomplete_after_s=1)
     assert (c["episodes"], c["evaluations"], c["incomplete_episodes"]) == (8, 2, 1) and _reconciles(c)
     rows = _sql(f"select episode_id, complete, status, passed from "
                 f"read_parquet('{out}/evaluations/**/*.parquet', hive_partitioning=true) order by complete, 1")

@@ -13,6 +13,7 @@ import pytest
 from pipelines.feedback import feedback_outcome, step_feedback_terms
 from pipelines.recipes import RecipeError, load_recipe, step_rewards
 from pipelines.rewards import annotate_rewards
+from pipelines.testhooks import run_batch_on_records
 from pipelines.trajectory_job import run_batch
 from pipelines.types import RawRecords
 from rollout.context import model_input_of
@@ -134,11 +135,10 @@ def test_feedback_table_exactly_once_and_rewards(source, tmp_path):
         assert c1["feedback_events"] == 3 and c1["duplicates"] == 2 and _reconciles(c1)
         runs = [c1]
     else:
-        kw1 = dict(source="raw", raw_records=[_raw(batch1)])
-        c1 = run_batch(out=out, recipe=OVERRIDE, **kw1)
+        c1 = run_batch_on_records([_raw(batch1)], out=out, recipe=OVERRIDE)
         assert (c1["episodes"], c1["feedback_events"], c1["duplicates"]) == (4, 2, 1) and _reconciles(c1)
         assert c1["incomplete_episodes"] == 0 and c1["pending_episodes"] == 0  # feedback makes no gap
-        c2 = run_batch(out=out, recipe=OVERRIDE, source="raw", raw_records=[_raw(batch2, len(batch1))])
+        c2 = run_batch_on_records([_raw(batch2, len(batch1))], out=out, recipe=OVERRIDE)
         # the re-sent copy is a duplicate of commit 1's row; the late one is new; no episode is touched
         assert (c2["episodes"], c2["feedback_events"], c2["duplicates"]) == (0, 1, 1) and _reconciles(c2)
         runs = [c1, c2]
@@ -161,7 +161,8 @@ def test_feedback_table_exactly_once_and_rewards(source, tmp_path):
     for e in eps[2:]:
         assert ret[e[0].episode_id][0] == pytest.approx(e[-1].outcome_reward)
     # a rerun over covered input adds nothing
-    again = run_batch(out=out, recipe=OVERRIDE, **(kw if source == "archive" else dict(source="raw", raw_records=[])))
+    again = (run_batch(out=out, recipe=OVERRIDE, **kw) if source == "archive"
+             else run_batch_on_records([], out=out, recipe=OVERRIDE))
     assert set(again.values()) == {0} and len(_table(out, "feedback")) == 3
     assert sum(c["feedback_events"] for c in runs) == 3
 
@@ -173,9 +174,9 @@ def test_feedback_on_an_unknown_or_open_episode_is_kept_and_the_episode_waits(tm
     ghost = msgspec.structs.replace(_fb(ep, rating=0.1), episode_id="no-such-episode",
                                     event_id="f" * 32)
     out = tmp_path / "out"
-    c1 = run_batch(out=out, recipe=ADD, source="raw", raw_records=[_raw(open_part + [fb, ghost])])
+    c1 = run_batch_on_records([_raw(open_part + [fb, ghost])], out=out, recipe=ADD)
     assert (c1["pending_episodes"], c1["feedback_events"], c1["incomplete_episodes"]) == (1, 2, 0) and _reconciles(c1)
-    c2 = run_batch(out=out, recipe=ADD, source="raw", raw_records=[_raw(ep[-1:], len(open_part) + 2)])
+    c2 = run_batch_on_records([_raw(ep[-1:], len(open_part) + 2)], out=out, recipe=ADD)
     assert c2["episodes"] == 1 and c2["feedback_events"] == 0 and _reconciles(c2)
     rows = {r["episode_id"]: r for r in _table(out, "feedback")}
     assert set(rows) == {ep[0].episode_id, "no-such-episode"} and not any(r["applied"] for r in rows.values())
@@ -197,8 +198,8 @@ def test_corrections_become_samples_with_the_recorded_context(tmp_path):
     out = tmp_path / "out"
     # episode 1 is not in this commit (only its correction): unresolved, kept in feedback/
     batch = flat([eps[0], eps[2]]) + [c0, c_missing]
-    counts = run_batch(out=out, recipe=load_recipe("outcome"), source="raw", raw_records=[_raw(batch)],
-                       tokenizer=str(model))
+    counts = run_batch_on_records([_raw(batch)], out=out, recipe=load_recipe("outcome"),
+                                  tokenizer=str(model))
     assert (counts["corrections"], counts["corrections_unresolved"]) == (1, 1)
     rows = _table(out, "corrections")
     assert len(rows) == 1

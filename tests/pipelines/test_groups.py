@@ -17,7 +17,8 @@ from pipelines.commit import CommitError, DatasetLayout, load_held_state, read_m
 from pipelines.groups import GroupStats, decide_groups, domain_stats
 from pipelines.normalize import RunningStats
 from pipelines.recipes import Recipe
-from pipelines.trajectory_job import run_batch
+from pipelines import testhooks
+from pipelines.testhooks import run_batch_on_records
 from pipelines.types import RawRecords
 from schemas.codec import encode_event
 from tests.pipelines.helpers import edit, episodes, finished_as
@@ -39,7 +40,7 @@ def _batch(eps: list[list]) -> RawRecords:
 
 
 def _run(out: Path, eps: list[list], recipe: Recipe = GRPO, **kw) -> dict:
-    c = run_batch(out=out, recipe=recipe, source="raw", raw_records=[_batch(eps)], use_domain_verifiers=False, **kw)
+    c = run_batch_on_records([_batch(eps)], out=out, recipe=recipe, use_domain_verifiers=False, **kw)
     assert _reconciles(c), c
     return c
 
@@ -183,14 +184,13 @@ def test_held_groups_survive_a_crash_between_runs(groups4, tmp_path, crash_at):
     _run(clean, second)
     out = tmp_path / "crashed"
     _run(out, first)
-    with pytest.raises(CommitError, match="simulated crash"):
-        run_batch(out=out, recipe=GRPO, source="raw", raw_records=[_batch(second)], use_domain_verifiers=False,
-                  crash_at=crash_at)
+    with testhooks.crash_at(crash_at), pytest.raises(CommitError, match="simulated crash"):
+        run_batch_on_records([_batch(second)], out=out, recipe=GRPO, use_domain_verifiers=False)
     if crash_at == "before_manifest":
         _run(out, second)  # rolled back: the held state of commit 1 is intact and used again
     else:
-        assert run_batch(out=out, recipe=GRPO, source="raw", raw_records=[_batch(second)],
-                         use_domain_verifiers=False)["duplicates"] == sum(map(len, second))  # rolled forward
+        assert run_batch_on_records([_batch(second)], out=out, recipe=GRPO,
+                                    use_domain_verifiers=False)["duplicates"] == sum(map(len, second))  # rolled forward
     for table in ("steps", "trajectories"):
         got = {str(p.relative_to(out)): pq.read_table(p) for p in sorted(out.glob(f"{table}/**/*.parquet"))}
         want = {str(p.relative_to(clean)): pq.read_table(p) for p in sorted(clean.glob(f"{table}/**/*.parquet"))}

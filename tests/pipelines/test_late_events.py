@@ -18,6 +18,8 @@ import pytest
 from pipelines.commit import CommitError, DatasetLayout, read_manifests
 from pipelines.query import register_views
 from pipelines.recipes import load_recipe
+from pipelines import testhooks
+from pipelines.testhooks import run_batch_on_records
 from pipelines.trajectory_job import run, run_batch
 from pipelines.types import RawRecords
 from schemas.codec import encode_event
@@ -153,8 +155,8 @@ def test_crash_in_the_completing_commit_keeps_the_late_state(tmp_path, crash_at)
     _job(root, out)
     [kept_file] = read_manifests(_layout(out))[-1].late_state
     write_archive(root, [flat(eps[1:]) + target[:-3], target[-3:]])
-    with pytest.raises(CommitError, match="simulated crash"):
-        run_batch(out=out, recipe=RECIPE, source="archive", archive=root, incomplete_after_s=2, crash_at=crash_at)
+    with testhooks.crash_at(crash_at), pytest.raises(CommitError, match="simulated crash"):
+        run_batch(out=out, recipe=RECIPE, source="archive", archive=root, incomplete_after_s=2)
     assert (out / kept_file).exists()
     c = _job(root, out)  # recovers (rolls commit 2 back, or forward), then runs what is not committed yet
     assert c["episodes_completed_late"] == (1 if crash_at == "before_manifest" else 0)
@@ -181,14 +183,14 @@ def test_a_producer_six_hours_fast_does_not_flip_pending_episodes(tmp_path):
     six_hours = timedelta(hours=6)
     fast = _shifted(eps[5], six_hours)
     batches = _raw([*eps[:5], fast, open_a, open_b], true_times={fast[0].episode_id: six_hours})
-    c = run_batch(out=tmp_path / "out", recipe=RECIPE, source="raw", raw_records=batches, incomplete_after_s=600)
+    c = run_batch_on_records(batches, out=tmp_path / "out", recipe=RECIPE, incomplete_after_s=600)
     assert (c["pending_episodes"], c["incomplete_episodes"], c["future_events"], c["episodes"]) == (2, 0, len(fast), 6)
     assert _reconciles(c)
     [m] = read_manifests(_layout(tmp_path / "out"))
     assert abs(m.clock_s - max(e.event_time for e in open_b).timestamp()) < 2e-3  # fast events: not on the clock
 
-    flipped = run_batch(out=tmp_path / "no-tolerance", recipe=RECIPE, source="raw", raw_records=batches,
-                        incomplete_after_s=600, max_future_s=math.inf)
+    flipped = run_batch_on_records(batches, out=tmp_path / "no-tolerance", recipe=RECIPE,
+                                   incomplete_after_s=600, max_future_s=math.inf)
     assert (flipped["pending_episodes"], flipped["incomplete_episodes"], flipped["future_events"]) == (0, 2, 0)
     assert _reconciles(flipped)
 

@@ -30,7 +30,7 @@ from pipelines.sinks import (
 )
 from pipelines.verify import _VerifyFn
 from schemas.datasets import step_file_schema, trajectory_file_schema
-from schemas.events import SamplingParams
+from schemas.events import SamplingParams, TokenIds
 from tests.pipelines.helpers import as_group, edit, episodes, finished_as
 
 
@@ -62,7 +62,8 @@ def _prepared(recipe: Recipe):
     return out
 
 
-def test_rows_buffer_equals_episode_rows():
+def test_episode_rows_read_back_the_rows_buffer_columns():
+    # RowsBuffer defines the columns; episode_rows reads its rows back as objects: the round trip loses nothing
     recipe = Recipe(name="clipped", reward="verification_shaped", gamma=0.9, max_steps=2, max_action_tokens=40)
     eps = _prepared(recipe)
     assert any(e.clipped for e in eps) and any(not e.complete for e in eps)
@@ -74,6 +75,10 @@ def test_rows_buffer_equals_episode_rows():
     assert trajs.equals(rows_to_table([t for t, _ in want], trajectory_file_schema()))
     assert steps.equals(rows_to_table([s for _, ss in want for s in ss], step_file_schema()))
     assert len(rows) == len(eps) and steps.num_rows == rows.steps > 0
+    _, first = want[0]  # the objects carry the partition keys and the events' token arrays
+    assert {(s.domain, s.recipe) for s in first} == {(eps[0].domain, recipe.version)}
+    assert [s.action_token_ids.tolist() for s in first] == [s.action_token_ids.tolist() for s in eps[0].steps]
+    assert all(isinstance(s.observation_token_ids, TokenIds) for s in first) and want[3][1] == []
     # the v2 columns are filled from the events
     t, st = trajs.to_pylist(), steps.to_pylist()
     assert {r["group_size"] for r in t} == {4} and [r["group_member"] for r in t] == [i % 4 for i in range(12)]

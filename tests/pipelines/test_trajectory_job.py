@@ -13,6 +13,8 @@ from pipelines.commit import CommitError
 from pipelines.delta_tables import app_id, delta_batches, table_versions_at
 from pipelines.polars_ref import compute_polars
 from pipelines.recipes import Recipe, load_recipe
+from pipelines import testhooks
+from pipelines.testhooks import run_batch_on_records
 from pipelines.trajectory_job import JobError, run, run_batch
 from pipelines.types import RawRecords
 from schemas.codec import encode_event
@@ -134,8 +136,8 @@ def test_crash_mid_commit_then_rerun_gives_the_same_dataset(archive, first_run, 
     root, _ = archive
     clean, _ = first_run
     out = tmp_path / "crashed"
-    with pytest.raises(CommitError, match="simulated crash"):
-        run_batch(out=out, recipe=load_recipe("outcome"), source="archive", archive=root, crash_at=crash_at)
+    with testhooks.crash_at(crash_at), pytest.raises(CommitError, match="simulated crash"):
+        run_batch(out=out, recipe=load_recipe("outcome"), source="archive", archive=root)
     run(["--source", "archive", "--archive", str(root), "--out", str(out)])
     ours = {k: v for k, v in _files(out).items() if "outcome-" in k}
     theirs = {k: v for k, v in _files(clean).items() if "outcome-" in k}
@@ -184,7 +186,7 @@ def test_bad_raw_records_go_to_dead_letters(tmp_path):
     batch = RawRecords(topic="trajpipe.events", partition=0, offsets=list(range(len(values) + 3)),
                        keys=keys + [b"x"] * 3, values=values + bad, timestamps_ms=[0] * (len(values) + 3))
     out = tmp_path / "out"
-    c = run_batch(out=out, recipe=load_recipe("outcome"), source="raw", raw_records=[batch])
+    c = run_batch_on_records([batch], out=out, recipe=load_recipe("outcome"))
     assert (c["episodes"], c["dead_letters"], c["events_in"]) == (8, 3, len(values) + 3) and _reconciles(c)
     reasons = _sql(f"select reason, source_offset from read_parquet('{out}/dead_letters/**/*.parquet') order by 2")
     assert [r[0] for r in reasons] == ["bad_magic", "truncated", "future_version"]
@@ -296,7 +298,7 @@ def test_unkeyed_records_are_assembled_by_their_episode_id(tmp_path):
                        keys=keys + [None], values=values + [b"\x00garbage frame"],
                        timestamps_ms=[0] * (len(values) + 1))
     out = tmp_path / "out"
-    c = run_batch(out=out, recipe=load_recipe("outcome"), source="raw", raw_records=[batch])
+    c = run_batch_on_records([batch], out=out, recipe=load_recipe("outcome"))
     assert (c["episodes"], c["dead_letters"], c["events_used"]) == (4, 1, len(values)) and _reconciles(c)
     assert _sql(f"select reason, source_offset from read_parquet('{out}/dead_letters/**/*.parquet')") == [
         ("bad_magic", len(values))]
@@ -375,3 +377,17 @@ def test_a_table_delta_refuses_is_one_error_line_and_the_commit_catches_up_later
     for table in ("steps", "trajectories"):
         assert DeltaTable(str(out / table)).transaction_version(app_id(version)) == 1, table
     assert DeltaTable(str(out / "trajectories")).to_pyarrow_dataset().count_rows() == N
+
+
+def test_test_hooks_are_armed_only_inside_their_block(tmp_path):
+    # in-memory records are a test hook: without it, the `raw` source is refused with one clear line
+    with pytest.raises(JobError, match="in-memory records, which only tests give"):
+        run_batch(out=tmp_path / "out", recipe=load_recipe("outcome"), source=testhooks.RAW_SOURCE)
+    assert not (tmp_path / "out" / "_manifests").exists()
+    with pytest.raises(ValueError, match="unknown crash point 'after_delta'"):
+        with testhooks.crash_at("after_delta"):
+            pass
+    with testhooks.crash_at("after_manifest"):
+        assert testhooks.crashes_at("after_manifest")
+    assert not any(testhooks.crashes_at(p) for p in testhooks.CRASH_POINTS)
+    assert testhooks.injected_records() is None

@@ -28,6 +28,7 @@ import pytest
 from deltalake import DeltaTable
 from kafka.admin import KafkaAdminClient, NewTopic
 
+from pipelines import testhooks
 from pipelines.commit import CommitError
 from pipelines.delta_tables import app_id, delta_batches
 from pipelines.recipes import load_recipe
@@ -167,8 +168,8 @@ def test_crash_at_a_commit_point_then_rerun_gives_the_same_dataset(events_topic,
 
     uri = s3_env.uri(f"crash-{crash_at}-{uuid.uuid4().hex[:8]}", "datasets")
     kafka = {"conn": KafkaConnection(bootstrap_servers=bootstrap, client_id="trajpipe-test"), "topic": topic}
-    with pytest.raises(CommitError, match="simulated crash"):
-        run_batch(out=uri, recipe=load_recipe("outcome"), source="kafka", kafka=kafka, crash_at=crash_at)
+    with testhooks.crash_at(crash_at), pytest.raises(CommitError, match="simulated crash"):
+        run_batch(out=uri, recipe=load_recipe("outcome"), source="kafka", kafka=kafka)
     manifests = loc.list_files(loc.join(uri, "_manifests"), suffix=".json")
     assert len(manifests) == (0 if crash_at == "before_manifest" else 1)
     again = run(_args(events_topic, uri))

@@ -13,7 +13,7 @@ import yaml
 from typer.testing import CliRunner
 
 from pipelines.recipes import load_recipe
-from pipelines.trajectory_job import run_batch
+from pipelines.testhooks import run_batch_on_records
 from pipelines.types import RawRecords
 from schemas.codec import encode_event
 from schemas.events import Step
@@ -41,8 +41,8 @@ def corrections_data(tiny_model: Path, vocab_size: int, tmp_path_factory: pytest
                        keys=[e.episode_id.encode() for e in events], values=[encode_event(e) for e in events],
                        timestamps_ms=[0] * len(events))
     out = tmp_path / "data"
-    counts = run_batch(out=out, recipe=load_recipe("outcome"), source="raw", raw_records=[batch],
-                       tokenizer=str(tiny_model))
+    counts = run_batch_on_records([batch], out=out, recipe=load_recipe("outcome"),
+                                  tokenizer=str(tiny_model))
     assert counts["corrections"] == 2
     import duckdb
 

@@ -286,6 +286,17 @@ def test_order_is_deterministic_per_seed(make_dataset):
     assert sorted(two[:40]) == sorted(two[40:]) and two[:40] != two[40:]
 
 
+@pytest.mark.parametrize("text", ["{not json", '{"commit": 2, "version": "v", "recipe_hash": "h", "source": "x", '
+                                  '"files": "steps/a.parquet"}', '{"files": []}'])
+def test_a_bad_manifest_is_one_data_error(make_dataset, text):
+    root = make_dataset((4,))
+    path = root / "_manifests" / DEFAULT_RECIPE / "00000002.json"
+    path.write_text(text)
+    with pytest.raises(DataError, match=r"commit manifest .*00000002.json is unreadable or has no `files` list"):
+        scan_commits(root, recipe=DEFAULT_RECIPE)
+    assert [c.commit for c in scan_commits(root, recipe=DEFAULT_RECIPE, upto=1)] == [1]
+
+
 def test_uncommitted_files_are_never_visible(make_dataset):
     root = make_dataset((10,))
     # commit 2: data written, no manifest (crashed writer) -> only *.tmp files

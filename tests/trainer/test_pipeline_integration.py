@@ -12,7 +12,7 @@ pytestmark = pytest.mark.integration
 
 def test_stream_reads_every_trainable_episode_of_a_trajectory_job_commit(tmp_path):
     from pipelines.recipes import load_recipe
-    from pipelines.trajectory_job import run_batch
+    from pipelines.testhooks import run_batch_on_records
     from pipelines.types import RawRecords
     from schemas.codec import encode_event
     from streams.synth import generate_episodes
@@ -23,7 +23,7 @@ def test_stream_reads_every_trainable_episode_of_a_trajectory_job_commit(tmp_pat
         batch = RawRecords(topic="trajpipe.events", partition=0, offsets=list(range(len(events))),
                            keys=[e.episode_id.encode() for e in events], values=[encode_event(e) for e in events],
                            timestamps_ms=[0] * len(events))
-        counts = run_batch(out=out, recipe=load_recipe("outcome"), source="raw", raw_records=[batch])
+        counts = run_batch_on_records([batch], out=out, recipe=load_recipe("outcome"))
         assert counts["steps"] > 0
     # episodes the trainer must train: a trainable step with a loss token, and a recorded prompt at step 0
     want = {r[0] for r in duckdb.sql(f"""
