@@ -241,6 +241,19 @@ def _check_remote_out(flag: str, uri: str) -> None:
               f"{bucket}` in SeaweedFS' `weed shell`, `aws s3 mb s3://{bucket}`)")
 
 
+def _check_remote_archive(uri: str) -> None:
+    """``--archive`` on an object store must be readable and hold commit manifests (one line otherwise, exit 2)."""
+    from schemas import locations as loc
+
+    try:
+        found = bool(loc.list_files(loc.join(uri, "_commits"), suffix=".json"))
+    except OSError as err:
+        _fail(f"`--archive` {uri} cannot be read: {' '.join(str(err).split())}; check the bucket and the AWS_* "
+              "variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
+    if not found:
+        _fail(f"`--archive` {uri} holds no event archive (no _commits/); write one with `trajpipe archive --out {uri}`")
+
+
 def _check_remote_data(uri: str) -> None:
     """``--data`` on an object store must be readable and hold dataset manifests (one line otherwise, exit 2)."""
     from schemas import locations as loc
@@ -932,8 +945,9 @@ def feedback(
     comment: Annotated[str, typer.Option(help="free text")] = "",
     data: Annotated[Optional[Path], typer.Option(help="dataset root to look the episode up in",
                                                  parser=_local_location, metavar="PATH")] = None,
-    archive: Annotated[Optional[Path], typer.Option(help="event archive to look the episode up in",
-                                                    parser=_local_location, metavar="PATH")] = None,
+    archive: Annotated[Optional[Path], typer.Option(help="event archive to look the episode up in: a directory "
+                                                    "or s3://BUCKET/PREFIX", parser=_dataset_location,
+                                                    metavar="PATH")] = None,
     domain: Annotated[Optional[str], typer.Option(help="the episode's domain (instead of a look-up)")] = None,
     task_id: Annotated[Optional[str], typer.Option("--task-id", help="its task (with --domain)")] = None,
     policy_version: Annotated[int, typer.Option("--policy-version", help="its policy version (with --domain)")] = 0,
@@ -944,7 +958,10 @@ def feedback(
 ) -> None:
     """Send a rating or a correction of an episode (or one of its steps) as a `feedback` event (docs/feedback.md)."""
     _check_dir("--data", data, must_exist=True)
-    _check_dir("--archive", archive, must_exist=True)
+    if isinstance(archive, str):
+        _check_remote_archive(archive)
+    else:
+        _check_dir("--archive", archive, must_exist=True)
     _check_dir("--spool-dir", spool_dir)
     from streams.feedback import EpisodeRef, FeedbackError, find_episode, make_feedback, send_feedback
 
