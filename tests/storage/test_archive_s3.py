@@ -222,9 +222,9 @@ def test_pipeline_reads_the_s3_archive_as_the_local_one(local_archive, s3_archiv
     assert set(run(["--source", "archive", "--archive", s3_archive, "--out", from_s3]).values()) == {0}
 
 
-def _cli(*args: str) -> tuple[int, str, str]:
+def _cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     proc = subprocess.run([sys.executable, "-m", "trajpipe", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -267,3 +267,22 @@ def test_bad_s3_locations_are_one_line(s3_env, tmp_path):
         rc, out, err = _cli(*args)
         lines = [line for line in err.splitlines() if line.startswith("error:")]
         assert rc == 2 and len(lines) == 1 and flag in lines[0] and "Traceback" not in err, err[-3000:]
+
+
+def test_feedback_looks_the_episode_up_in_the_s3_archive(local_archive, s3_archive, events_topic, s3_env, tmp_path):
+    """`trajpipe feedback --archive s3://...` finds the episode's envelope the local archive gives, and sends it."""
+    bootstrap, topic, _ = events_topic
+    episode = next(generate_episodes(EPISODES, seed=17))[0].episode_id
+    env = {"TRAJPIPE_TOPICS__EVENTS": topic, "TRAJPIPE_TOPICS__DEAD_LETTERS": topic + ".dlq",
+           "TRAJPIPE_TOPICS__CONTROL": topic + ".ctl", "TRAJPIPE_TOPICS__PARTITIONS": "3"}
+    sent = []
+    for arch in (s3_archive, local_archive):
+        rc, out, err = _cli("feedback", "--episode", episode, "--score", "1", "--archive", arch, "--bootstrap",
+                            bootstrap, "--spool-dir", str(tmp_path / "spool"), env=env)
+        assert rc == 0, err[-3000:]
+        sent.append(json.loads(out.strip().splitlines()[-1]))
+    assert sent[0] == sent[1] and sent[0]["episode_id"] == episode and sent[0]["sent"] == 1
+    rc, _, err = _cli("feedback", "--episode", "nope", "--score", "1", "--archive", s3_archive, "--bootstrap",
+                      bootstrap, env=env)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert rc == 2 and len(lines) == 1 and "is in neither" in lines[0], err[-3000:]
