@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+import os
 import typing
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
@@ -44,6 +45,7 @@ from pipelines.decode import validate_event
 from pipelines.gcpause import gc_paused
 from pipelines.late import LateState
 from pipelines.types import DEAD_LETTER_TAG
+from schemas import locations as loc
 from schemas.arrow import ENVELOPE_FIELDS, archive_schema, payload_fields
 from schemas.deadletter import DeadLetter
 from schemas.events import EVENT_TYPES, Event, LogProbs, TokenIds
@@ -66,7 +68,7 @@ class ArchiveFile(msgspec.Struct, frozen=True, kw_only=True):
     """One committed archive data file.
 
     Attributes:
-        path: absolute path of the Parquet file.
+        path: absolute path of the Parquet file (or its ``s3://`` URI).
         commit: the archive commit that wrote it.
         topic: the topic the archive copies (for dead-letter positions).
         created_s: when the archive commit was made (epoch seconds): its events
@@ -84,7 +86,7 @@ def list_archive_files(archive_dir: str | Path, *, skip_commits: Sequence[int] =
     """The data files of every committed archive commit, in commit order.
 
     Args:
-        archive_dir: the archive root.
+        archive_dir: the archive root: a directory or ``s3://BUCKET/PREFIX`` (:mod:`schemas.locations`).
         skip_commits: commits already consumed (e.g. named by a dataset manifest).
 
     Raises:
@@ -92,12 +94,18 @@ def list_archive_files(archive_dir: str | Path, *, skip_commits: Sequence[int] =
     """
     from streams.archive import read_commits  # the archive's own manifest reader
 
-    root = Path(archive_dir)
-    if not (root / "_commits").is_dir():
-        raise FileNotFoundError(f"`--archive` {root} is not an event archive (no _commits/ directory)")
+    if loc.is_remote(archive_dir):
+        root = os.fspath(archive_dir).rstrip("/")
+        if not loc.list_files(loc.join(root, "_commits"), suffix=".json"):
+            raise FileNotFoundError(f"`--archive` {root} is not an event archive (no _commits/ manifests)")
+    else:
+        root = Path(archive_dir)
+        if not (root / "_commits").is_dir():
+            raise FileNotFoundError(f"`--archive` {root} is not an event archive (no _commits/ directory)")
     skip = set(skip_commits)
     return [
-        ArchiveFile(path=str(root / f), commit=c.commit, topic=c.topic, created_s=c.created_at.timestamp())
+        ArchiveFile(path=loc.join(root, f) if isinstance(root, str) else str(root / f), commit=c.commit,
+                    topic=c.topic, created_s=c.created_at.timestamp())
         for c in read_commits(root)
         if c.commit not in skip
         for f in c.files
@@ -311,6 +319,8 @@ def _read_table(path: str | Path, *, columns: list[str] | None = None) -> pa.Tab
     from streams.archive import ArchiveError
 
     try:
+        if loc.is_remote(path):
+            return loc.read_parquet(path, columns=columns)
         return pq.read_table(path, columns=columns)
     except (pa.ArrowException, OSError) as err:  # Arrow's IO and format errors are OSError/ValueError subclasses
         raise ArchiveError(f"archive file {path} is damaged ({err}); restore it from a copy, or rebuild the archive "

@@ -51,8 +51,9 @@ tool writes) is read from its ``*.parquet`` files and marked
 AWS environment variables): the manifests are read the same way, and each view reads its committed
 files as a ``pyarrow.dataset`` registered on the connection (DuckDB scans it with projection and
 filter pushdown; its ``httpfs`` extension is not needed). Its ``filename`` column is the file's
-``s3://`` URI, its hive keys strings. A database file (:func:`write_catalog`) cannot hold such a view:
-it is refused for an ``s3://`` dataset.
+``s3://`` URI, its hive keys strings. ``archive`` may be an ``s3://`` URI the same way. A database
+file (:func:`write_catalog`) cannot hold such a view (it would need ``httpfs`` and the credentials
+in every client): it holds a copy of the snapshot's rows as a table instead.
 
 **Following new commits.** The views are pinned to the commits that existed
 when the catalog was opened: new commits are not seen until it is opened
@@ -157,7 +158,7 @@ class Catalog:
 
     Attributes:
         data: dataset root (``trajpipe pipeline run --out``): a local directory, or an ``s3://`` URI (a string).
-        archive: event archive directory.
+        archive: event archive: a local directory, or an ``s3://`` URI (a string).
         runs: training run directories searched for published policies.
         version: the dataset version shown (``all``: every version).
         as_of: the commit asked for (None: the newest complete one).
@@ -167,7 +168,7 @@ class Catalog:
     """
 
     data: Path | str | None = None
-    archive: Path | None = None
+    archive: Path | str | None = None
     runs: tuple[Path, ...] = ()
     version: str | None = None
     as_of: int | None = None
@@ -266,8 +267,11 @@ def arrow_dataset(t: TableFiles) -> pads.FileSystemDataset:
     """
     fs, _ = loc.filesystem(t.files[0])
     paths = {f: loc.filesystem(f)[1] for f in t.files}
+    # Hive keys as strings, as DuckDB's view reads them (``bucket=06`` is '06', not 6).
+    keys = sorted({seg.split("=", 1)[0] for p in paths.values() for seg in p.split("/")[:-1] if "=" in seg})
+    hive_keys = pads.partitioning(pa.schema([(k, pa.string()) for k in keys]), flavor="hive")
     found = pads.dataset(list(paths.values()), filesystem=fs, format="parquet",
-                         partitioning="hive" if t.hive else None)
+                         partitioning=hive_keys if t.hive else None)
     keys = {frag.path: frag.partition_expression for frag in found.get_fragments()}
     columns = pa.unify_schemas([pq.read_schema(paths[f], filesystem=fs) for f in t.schema_files or t.files],
                                promote_options="permissive")
@@ -334,7 +338,7 @@ def _table_dirs(data: Path | str) -> list[str]:
     return sorted(n for n in names if n.isidentifier() and not n.startswith("_"))
 
 
-def _commit_rows(versions: dict[str, list[DatasetManifest]], archive: Path | None) -> pa.Table:
+def _commit_rows(versions: dict[str, list[DatasetManifest]], archive: Path | str | None) -> pa.Table:
     rows = []
     for version, manifests in versions.items():
         for m in manifests:
@@ -418,7 +422,7 @@ def open_catalog(
 
     Args:
         data: dataset root (``trajpipe pipeline run --out``): a local directory or ``s3://BUCKET/PREFIX``.
-        archive: event archive (``trajpipe archive --out``; local).
+        archive: event archive (``trajpipe archive --out``): a local directory or ``s3://BUCKET/PREFIX``.
         runs: training run directories (``trajpipe train --out``) or their parents; their
             ``policies/v*/policy.json`` make the ``policies`` view.
         version: dataset version ``<recipe>-<hash8>`` (or just the recipe name when one version has it);
@@ -436,16 +440,20 @@ def open_catalog(
     # absolute: the views store their file paths, and a catalog file is opened from anywhere
     if data is not None:
         data = os.fspath(data).rstrip("/") if loc.is_remote(data) else Path(data).resolve()
-    archive = Path(archive).resolve() if archive is not None else None
+    if archive is not None:
+        archive = os.fspath(archive).rstrip("/") if loc.is_remote(archive) else Path(archive).resolve()
     cat = Catalog(data=data, archive=archive, runs=tuple(Path(r) for r in runs), as_of=as_of)
     if archive is not None:
-        if not (archive / "_commits").is_dir():
+        found = (loc.list_files(loc.join(archive, "_commits"), suffix=".json") if isinstance(archive, str)
+                 else (archive / "_commits").is_dir())
+        if not found:
             raise CatalogError(f"{archive} is not an event archive (no _commits/); it holds {_what_is_there(archive)}")
         commits = [c for c in read_commits(archive) if c.files]
         if commits:
-            cat.tables["events"] = TableFiles("events", tuple(str(archive / f) for c in commits for f in c.files),
+            cat.tables["events"] = TableFiles("events", tuple(loc.join(str(archive), f) for c in commits
+                                                              for f in c.files),
                                               commit=commits[-1].commit,
-                                              schema_files=tuple(str(archive / c.files[0]) for c in commits))
+                                              schema_files=tuple(loc.join(str(archive), c.files[0]) for c in commits))
     if data is not None:
         if loc.exists(loc.join(str(data), "_commits")):
             raise CatalogError(f"{data} holds no dataset: it is an event archive (_commits/); give it as `--archive`")
@@ -542,18 +550,14 @@ def write_catalog(catalog: Catalog, db: Path | str) -> dict[str, Any]:
     (``duckdb FILE``, the Python package, DBeaver, ...) opens them. Run it again
     to show newer commits (see the module docstring).
 
+    A table on an object store (``s3://`` dataset or archive) is copied into the file as a table
+    of the snapshot's rows (the same rows and columns as its view): a view would need DuckDB's
+    ``httpfs`` extension and the store's credentials in every client that opens the file. The
+    database file itself is local.
+
     Returns:
         Counts: ``{"db": path, "views": n, "tables": {view: files}, "version": V}``.
-
-    Raises:
-        CatalogError: a view reads an object store (its ``select`` would need DuckDB's ``httpfs`` and the
-            store's credentials in every client that opens the file).
     """
-    remote = [t.name for t in catalog.tables.values() if _remote(t)]
-    if remote:
-        raise CatalogError(f"{catalog.data}: a catalog database file cannot hold views over an object store "
-                           f"({', '.join(remote)}: they need DuckDB's httpfs extension and the store's credentials in "
-                           "every client); query it with `trajpipe query --data URI` or `trajpipe report --data URI`")
     db = Path(db)
     tmp = db.with_name(f".{db.name}.tmp")
     for p in (tmp, tmp.with_name(tmp.name + ".wal")):
@@ -562,8 +566,13 @@ def write_catalog(catalog: Catalog, db: Path | str) -> dict[str, Any]:
     try:
         con.execute(f"attach {_quote(str(tmp))} as cat (storage_version '{DB_STORAGE_VERSION}')")
         con.execute("use cat")
-        for name in catalog.tables:
-            con.execute(f"create view {name} as {catalog.view_sql(name)}")
+        for name, t in catalog.tables.items():
+            if _remote(t):  # copied: see the docstring
+                con.register(_arrow_name(name), arrow_dataset(t))
+                con.execute(f"create table {name} as {catalog.view_sql(name)}")
+                con.unregister(_arrow_name(name))
+            else:
+                con.execute(f"create view {name} as {catalog.view_sql(name)}")
         for name, table in catalog.frames.items():
             con.register(f"_src_{name}", table)
             con.execute(f"create table {name} as select * from _src_{name}")

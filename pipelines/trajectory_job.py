@@ -229,9 +229,16 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _check(args: argparse.Namespace) -> None:
-    # First, before any Kafka read or manifest. A batch run writes `--out` through schemas.locations (a local
-    # directory or s3://); the streaming job's commits and the archive reader are local-only.
-    local_flags = ("out", "archive") if args.mode == "stream" else ("archive",)
+    # First, before any Kafka read or manifest. A batch run writes `--out` and reads `--archive` through
+    # schemas.locations (a local directory or s3://); the streaming job's commits are local-only.
+    remote_archive = args.mode != "stream" and args.archive and scheme_of(args.archive) == "s3"
+    local_flags = ("out", "archive") if args.mode == "stream" else () if remote_archive else ("archive",)
+    if remote_archive:
+        try:
+            filesystem(args.archive)  # a bucket is named, the AWS_* settings parse
+        except StorageError as err:
+            raise JobError(f"`--archive` {err} (see `trajpipe pipeline run --help`)") from err
+        args.archive = args.archive.rstrip("/")
     for flag in local_flags:
         if getattr(args, flag):
             try:

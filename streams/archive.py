@@ -9,6 +9,16 @@ any moment followed by a rerun yields exactly the same rows.
 Run it::
 
     trajpipe archive --bootstrap 127.0.0.1:9092 --out data/archive --until-end
+    trajpipe archive --bootstrap 127.0.0.1:9092 --out s3://bucket/archive --until-end
+
+The archive is a local directory or ``s3://BUCKET/PREFIX``: every file goes through
+:mod:`schemas.locations`. An object store has no rename and no lock, so there a commit's data
+files are written under temporary names that carry the writing run's id
+(``bucket=NN/c<n>.parquet.<run>.tmp``), its manifest is written create-only (``If-None-Match: *``)
+and names the run (key ``run``), and the files are then moved (copy + delete) to the same names
+as locally. Of two archivers racing for commit ``n`` one writes the manifest; the other deletes
+its temporary files and raises :class:`ArchiveConflict` (nothing is lost: its offsets are not in
+any manifest, so the next run reads them again).
 
 Examples:
     >>> bucket_of("synth-0-00000001", 16) == bucket_of("synth-0-00000001", 16)
@@ -23,6 +33,7 @@ import json
 import logging
 import os
 import threading
+import uuid
 import zlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -34,6 +45,7 @@ import msgspec
 import pyarrow.parquet as pq
 from kafka.errors import KafkaError
 
+from schemas import locations as loc
 from schemas.arrow import events_to_table
 from schemas.codec import EventDecodeError, decode_event
 from schemas.delta import META_PREFIX, add_files, txn_version
@@ -47,6 +59,7 @@ from streams.fetch import PartitionReader, read_partition
 __all__ = [
     "ARCHIVE_FORMAT",
     "ArchiveError",
+    "ArchiveConflict",
     "ArchiveCounts",
     "CommitManifest",
     "bucket_of",
@@ -66,6 +79,26 @@ _TMP_SUFFIX = ".parquet.tmp"
 
 class ArchiveError(RuntimeError):
     """The archive directory is inconsistent or does not match the settings."""
+
+
+class ArchiveConflict(ArchiveError):
+    """Another archiver made this commit first (object stores: the create-only manifest write lost).
+
+    This run's temporary files are deleted; nothing it read is lost (its offsets are in no
+    manifest: the next run reads them again).
+    """
+
+
+Location = Path | str  # a local path, or an ``s3://BUCKET/PREFIX`` URI (a string)
+
+
+def _root(root: Location) -> Location:
+    """``root`` as the archive functions take it: an ``s3://`` URI stays a string (no trailing ``/``)."""
+    return os.fspath(root).rstrip("/") if loc.is_remote(root) else Path(root)
+
+
+def _at(root: Location, rel: str) -> Location:
+    return loc.join(root, rel) if isinstance(root, str) else root / rel
 
 
 class ArchiveCounts(msgspec.Struct, kw_only=True):
@@ -115,16 +148,29 @@ class CommitManifest(msgspec.Struct, kw_only=True):
     created_at: datetime = msgspec.field(default_factory=lambda: datetime.now(timezone.utc))
 
 
+class _StagedManifest(CommitManifest, kw_only=True):
+    """An object-store commit manifest: also names the run whose temporary files it commits.
+
+    Readers decode it as :class:`CommitManifest` (the extra key is ignored).
+    """
+
+    run: str
+
+
+class _Run(msgspec.Struct):
+    run: str = ""
+
+
 #: The Delta application-transaction id of the archive's commits (version = commit number).
 ARCHIVE_DELTA_APP = "trajpipe.archive"
 
 
-def _publish_delta(root: Path, manifest: CommitManifest, rows: Sequence[int] | None = None) -> int | None:
+def _publish_delta(root: Location, manifest: CommitManifest, rows: Sequence[int] | None = None) -> int | None:
     """Add one archive commit's files to the archive's Delta table (``<root>/_delta_log``); idempotent."""
     if not manifest.files:
         return None
     if rows is None:
-        rows = [pq.ParquetFile(root / f).metadata.num_rows for f in manifest.files]
+        rows = [loc.parquet_rows(_at(root, f)) for f in manifest.files]
     meta = {"commit": str(manifest.commit), "topic": manifest.topic, "events": str(manifest.events),
             "dead_letters": str(manifest.dead_letters), "created_at": manifest.created_at.isoformat(),
             "offsets": json.dumps({str(p): [r.start, r.end] for p, r in sorted(manifest.offsets.items())})}
@@ -137,44 +183,62 @@ def bucket_of(episode_id: str, buckets: int) -> int:
     return zlib.crc32(episode_id.encode()) % buckets
 
 
-def _init_archive(root: Path, *, topic: str, buckets: int) -> dict[str, Any]:
-    meta_path = root / "_archive.json"
-    if meta_path.exists():
+def _check_meta(root: Location, meta_path: Location, data: bytes, *, topic: str) -> dict[str, Any]:
+    try:
+        meta = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ArchiveError(f"{meta_path} is not JSON ({err}); the archive metadata is damaged: restore it "
+                           f'(e.g. {{"format": {ARCHIVE_FORMAT}, "buckets": 16, "topic": "{topic}"}})') from err
+    if not isinstance(meta, dict):
+        raise ArchiveError(f"{meta_path} holds a {type(meta).__name__}, not the archive metadata object")
+    buckets_ok = type(meta.get("buckets")) is int and meta["buckets"] >= 1  # noqa: E721 - not a bool
+    if meta.get("format") != ARCHIVE_FORMAT:
+        raise ArchiveError(f"{root} has archive format {meta.get('format')}; this trajpipe writes {ARCHIVE_FORMAT}")
+    if meta.get("topic") != topic:
+        raise ArchiveError(
+            f"{root} archives topic {meta.get('topic')!r}, not {topic!r}; use another --out directory"
+        )
+    if not buckets_ok:
+        raise ArchiveError(f"{meta_path}: `buckets` must be an integer >= 1 (the bucket count its files were "
+                           f"written with), got {meta.get('buckets')!r}")
+    return meta
+
+
+def _init_archive(root: Location, *, topic: str, buckets: int) -> dict[str, Any]:
+    root = _root(root)
+    meta_path = _at(root, "_archive.json")
+    meta = {"format": ARCHIVE_FORMAT, "buckets": buckets, "topic": topic}
+    if isinstance(root, str):  # object store: create-only, so two first archivers agree on one bucket count
         try:
-            meta = json.loads(meta_path.read_bytes())
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ArchiveError(f"{meta_path} is not JSON ({err}); the archive metadata is damaged: restore it "
-                               f'(e.g. {{"format": {ARCHIVE_FORMAT}, "buckets": 16, "topic": "{topic}"}})') from err
-        if not isinstance(meta, dict):
-            raise ArchiveError(f"{meta_path} holds a {type(meta).__name__}, not the archive metadata object")
-        buckets_ok = type(meta.get("buckets")) is int and meta["buckets"] >= 1  # noqa: E721 - not a bool
-        if meta.get("format") != ARCHIVE_FORMAT:
-            raise ArchiveError(f"{root} has archive format {meta.get('format')}; this trajpipe writes {ARCHIVE_FORMAT}")
-        if meta.get("topic") != topic:
-            raise ArchiveError(
-                f"{root} archives topic {meta.get('topic')!r}, not {topic!r}; use another --out directory"
-            )
-        if not buckets_ok:
-            raise ArchiveError(f"{meta_path}: `buckets` must be an integer >= 1 (the bucket count its files were "
-                               f"written with), got {meta.get('buckets')!r}")
-        return meta
+            loc.write_new(meta_path, json.dumps(meta).encode())
+            return meta
+        except FileExistsError:
+            return _check_meta(root, meta_path, loc.read_bytes(meta_path), topic=topic)
+    if meta_path.exists():
+        return _check_meta(root, meta_path, meta_path.read_bytes(), topic=topic)
     root.mkdir(parents=True, exist_ok=True)
     (root / "_commits").mkdir(exist_ok=True)
-    meta = {"format": ARCHIVE_FORMAT, "buckets": buckets, "topic": topic}
     atomic_write(meta_path, json.dumps(meta).encode())
     return meta
 
 
-def read_commits(root: Path) -> list[CommitManifest]:
-    """All commit manifests of an archive, in commit order.
+def _manifest_files(root: Location) -> list[Location]:
+    if isinstance(root, str):
+        return list(loc.list_files(loc.join(root, "_commits"), suffix=".json"))
+    return sorted((root / "_commits").glob("*.json"))
+
+
+def read_commits(root: Location) -> list[CommitManifest]:
+    """All commit manifests of an archive (a local directory or an ``s3://`` URI), in commit order.
 
     Raises:
         ArchiveError: a manifest is unreadable, names a file outside the archive, or commit numbers have a gap.
     """
     commits = []
-    for path in sorted((Path(root) / "_commits").glob("*.json")):
+    root = _root(root)
+    for path in _manifest_files(root):
         try:
-            commits.append(msgspec.json.decode(path.read_bytes(), type=CommitManifest))
+            commits.append(msgspec.json.decode(loc.read_bytes(path), type=CommitManifest))
         except msgspec.DecodeError as err:
             raise ArchiveError(f"commit manifest {path} is unreadable: {err}") from err
         for f in commits[-1].files:  # data files live in the archive: never read (or rename) anything else
@@ -188,24 +252,30 @@ def read_commits(root: Path) -> list[CommitManifest]:
     return commits
 
 
-def committed_files(root: Path) -> list[Path]:
-    """Data files of every commit, in commit order (what readers should read).
+def committed_files(root: Location) -> list[Location]:
+    """Data files of every commit, in commit order (what readers should read): paths, or ``s3://`` URIs.
 
     Examples:
         >>> committed_files(Path("/nonexistent"))
         []
     """
-    return [Path(root) / f for c in read_commits(root) for f in c.files]
+    root = _root(root)
+    return [_at(root, f) for c in read_commits(root) for f in c.files]
 
 
-def recover_archive(root: Path) -> int:
+def recover_archive(root: Location) -> int:
     """Finish or undo an interrupted commit; returns the number of files fixed.
 
     A commit whose manifest exists is rolled forward (its temporary files are
     renamed into place, then added to the Delta table if they are not in it yet);
-    temporary files without a manifest are removed.
+    temporary files without a manifest are removed. On an object store (no lock:
+    another archiver may be at work) temporary files of a commit not made yet are
+    left alone; once it is made, those of runs other than the one its manifest
+    names are removed.
     """
-    root = Path(root)
+    root = _root(root)
+    if isinstance(root, str):
+        return _recover_remote(root)
     if not (root / "_commits").exists():
         return 0
     fixed = 0
@@ -226,7 +296,41 @@ def recover_archive(root: Path) -> int:
     return fixed + _catch_up_delta(root, commits)
 
 
-def _catch_up_delta(root: Path, commits: Sequence[CommitManifest]) -> int:
+def _remote_tmp_name(rel: str, run: str) -> str:
+    """``bucket=NN/c<n>.parquet`` -> its temporary name on an object store, ``...parquet.<run>.tmp``."""
+    return f"{rel}.{run}.tmp"
+
+
+def _recover_remote(root: str) -> int:
+    commits = read_commits(root)
+    wanted = {f for c in commits for f in c.files}
+    runs: dict[int, str] = {}
+    fixed = 0
+    for tmp in loc.list_files(root, suffix=".tmp"):
+        rel_tmp = tmp[len(root) + 1:]
+        bucket, _, name = rel_tmp.partition("/")
+        parts = name.split(".")  # c<n>, parquet, <run>, tmp
+        if not bucket.startswith("bucket=") or "/" in name or len(parts) != 4 or not parts[0][1:].isdigit():
+            continue
+        n, run, rel = int(parts[0][1:]), parts[2], f"{bucket}/{parts[0]}.parquet"
+        if n > len(commits):
+            log.info("leaving %s: commit %s is not made yet (another archiver's, or a crashed one's until it is)",
+                     rel_tmp, n)
+            continue
+        if n not in runs:
+            runs[n] = msgspec.json.decode(loc.read_bytes(loc.join(root, "_commits", f"{n:08d}.json")), type=_Run).run
+        final = loc.join(root, rel)
+        if rel in wanted and run == runs[n] and not loc.exists(final):
+            loc.move(tmp, final)
+            log.info("rolled commit file forward: %s", rel)
+        else:
+            loc.delete_file(tmp)
+            log.info("removed uncommitted file: %s", rel_tmp)
+        fixed += 1
+    return fixed + _catch_up_delta(root, commits)
+
+
+def _catch_up_delta(root: Location, commits: Sequence[CommitManifest]) -> int:
     """Add, in order, the commits the Delta table does not hold yet; how many were added."""
     have, added = txn_version(root, ARCHIVE_DELTA_APP), 0
     for c in commits:
@@ -237,7 +341,7 @@ def _catch_up_delta(root: Path, commits: Sequence[CommitManifest]) -> int:
 
 
 def write_commit(
-    root: Path,
+    root: Location,
     *,
     commit: int,
     topic: str,
@@ -247,11 +351,12 @@ def write_commit(
     offsets: dict[int, PartitionRange],
     dead_letters: int = 0,
     crash_before_manifest: bool = False,
+    run: str | None = None,
 ) -> CommitManifest:
     """Write one commit: data files (temporary names) → manifest (commit point) → rename → Delta transaction.
 
     Args:
-        root: archive directory.
+        root: archive directory, or ``s3://BUCKET/PREFIX``.
         commit: the commit number (last + 1).
         topic: source topic.
         buckets: bucket count of this archive.
@@ -260,32 +365,60 @@ def write_commit(
         offsets: the consumed range per partition.
         dead_letters: how many messages of the range went to dead letters.
         crash_before_manifest: test hook: stop after the data files, as a crash would.
+        run: (object stores) this writer's id in the temporary file names and the manifest; default: a new one.
+
+    Raises:
+        ArchiveConflict: (object stores) another archiver made commit ``commit`` first; this
+            commit's temporary files are deleted.
     """
+    root = _root(root)
+    remote = isinstance(root, str)
+    run = run or uuid.uuid4().hex[:12]
     by_bucket: dict[int, list[int]] = defaultdict(list)
     for i, ev in enumerate(events):
         by_bucket[bucket_of(ev.episode_id, buckets)].append(i)
-    files, rows = [], []
+    files, rows, tmps = [], [], []
     for b in sorted(by_bucket):
         idx = sorted(by_bucket[b], key=lambda i: (events[i].episode_id, events[i].seq, positions[i]))
         table = events_to_table([events[i] for i in idx], [positions[i] for i in idx])
         rel = f"bucket={b:02d}/c{commit:08d}.parquet"
-        tmp = root / (rel + ".tmp")
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(table, tmp, compression="zstd")
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        if remote:
+            tmp = loc.join(root, _remote_tmp_name(rel, run))
+            fs, path = loc.filesystem(tmp)
+            pq.write_table(table, path, filesystem=fs, compression="zstd")  # one object, whole or absent
+        else:
+            tmp = root / (rel + ".tmp")
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            pq.write_table(table, tmp, compression="zstd")
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         files.append(rel)
         rows.append(table.num_rows)
+        tmps.append(tmp)
     if crash_before_manifest:
         raise ArchiveError(f"simulated crash before manifest of commit {commit}")
     manifest = CommitManifest(
         commit=commit, topic=topic, offsets=offsets, files=files, events=len(events), dead_letters=dead_letters
     )
-    atomic_write(root / "_commits" / f"{commit:08d}.json", msgspec.json.encode(manifest))
-    for rel in files:
-        os.replace(root / (rel + ".tmp"), root / rel)
-    for d in {(root / rel).parent for rel in files}:
-        fsync_dir(d)
+    if remote:
+        staged = _StagedManifest(**msgspec.structs.asdict(manifest), run=run)
+        try:
+            loc.write_new(loc.join(root, "_commits", f"{commit:08d}.json"), msgspec.json.encode(staged))
+        except FileExistsError:
+            for tmp in tmps:
+                loc.delete_file(tmp)
+            raise ArchiveConflict(
+                f"another archiver made commit {commit} of {root} first; this run's {len(events)} events were not "
+                "archived and nothing of them is lost (their offsets are in no manifest): rerun to continue from "
+                "that commit") from None
+        for tmp, rel in zip(tmps, files):
+            loc.move(tmp, loc.join(root, rel))
+    else:
+        atomic_write(root / "_commits" / f"{commit:08d}.json", msgspec.json.encode(manifest))
+        for rel in files:
+            os.replace(root / (rel + ".tmp"), root / rel)
+        for d in {(root / rel).parent for rel in files}:
+            fsync_dir(d)
     if txn_version(root, ARCHIVE_DELTA_APP) < commit - 1:  # an earlier commit is missing from the table
         _catch_up_delta(root, read_commits(root)[: commit - 1])
     _publish_delta(root, manifest, rows)
@@ -296,7 +429,7 @@ class Archiver:
     """Drains a topic into an archive directory, commit by commit.
 
     Args:
-        out: archive directory (created on first use).
+        out: archive directory (created on first use), or ``s3://BUCKET/PREFIX``.
         conn: Kafka connection.
         topic: events topic.
         dead_letter: called with ``(record, EventDecodeError)`` for each
@@ -311,7 +444,7 @@ class Archiver:
 
     def __init__(
         self,
-        out: Path,
+        out: Location,
         *,
         conn: KafkaConnection,
         topic: str,
@@ -323,7 +456,8 @@ class Archiver:
     ) -> None:
         if commit_every < 1:
             raise ValueError("`commit_every` must be >= 1")
-        self.out = Path(out)
+        self.out = _root(out)
+        self._run = uuid.uuid4().hex[:12]  # names this run's temporary files on an object store
         self.conn = conn
         self.topic = topic
         self._dead_letter = dead_letter
@@ -336,11 +470,16 @@ class Archiver:
 
     def committed_offsets(self) -> dict[int, int]:
         """Next offset to read per partition, from the manifests."""
+        return self._committed()[0]
+
+    def _committed(self) -> tuple[dict[int, int], int]:
+        """Next offset to read per partition, and the number of commits, from one read of the manifests."""
         offsets: dict[int, int] = {}
-        for c in read_commits(self.out):
+        commits = read_commits(self.out)
+        for c in commits:
             for p, r in c.offsets.items():
                 offsets[int(p)] = max(offsets.get(int(p), 0), r.end)
-        return offsets
+        return offsets, len(commits)
 
     def run(self, *, until_end: bool = True, stop: threading.Event | None = None, poll_interval_s: float = 1.0,
             retry_s: float = 2.0) -> ArchiveCounts:
@@ -357,6 +496,8 @@ class Archiver:
         while not stop.is_set():
             try:
                 self._follow(counts, stop, until_end=until_end, poll_interval_s=poll_interval_s)
+                if isinstance(self.out, str):  # temporary files of commits made meanwhile by another (crashed) run
+                    recover_archive(self.out)
                 return counts
             except (KafkaError, KafkaUnavailable, StreamTimeoutError) as err:
                 if until_end:
@@ -370,7 +511,7 @@ class Archiver:
                 poll_interval_s: float) -> None:
         with kafka_access_errors(self.conn, what=f"read topic {self.topic!r}"), PartitionReader(self.conn) as reader:
             while not stop.is_set():
-                start = self.committed_offsets()
+                start, made = self._committed()
                 end = end_offsets(self.conn, self.topic)
                 ranges = [
                     OffsetRange(topic=self.topic, partition=p, start=start.get(p, 0), end=e)
@@ -378,30 +519,33 @@ class Archiver:
                     if e > start.get(p, 0)
                 ]
                 if ranges:
-                    self._drain(ranges, reader, counts, stop)
+                    self._drain(ranges, reader, counts, stop, first_commit=made + 1)
                 if until_end:
                     return
                 stop.wait(poll_interval_s)
 
     def _drain(self, ranges: list[OffsetRange], reader: PartitionReader, counts: ArchiveCounts,
-               stop: threading.Event) -> None:
+               stop: threading.Event, *, first_commit: int) -> None:
         events: list[Event] = []
         positions: list[tuple[int, int]] = []
         covered: dict[int, list[int]] = {}
         dead = 0
         pending = 0
+        # The commit numbers follow the manifests the start offsets came from: an archiver that
+        # raced another for one finds the number taken (object stores: ArchiveConflict).
+        n = first_commit
 
         def commit() -> None:
-            nonlocal events, positions, covered, dead, pending
+            nonlocal events, positions, covered, dead, pending, n
             if not covered:
                 return
-            n = len(read_commits(self.out)) + 1
             self._flush_dead_letters()
             write_commit(
                 self.out, commit=n, topic=self.topic, buckets=self.buckets, events=events, positions=positions,
                 offsets={p: PartitionRange(s, e) for p, (s, e) in covered.items()}, dead_letters=dead,
-                crash_before_manifest=self.crash_before_manifest_at == n,
+                crash_before_manifest=self.crash_before_manifest_at == n, run=self._run,
             )
+            n += 1
             counts.events += len(events)
             counts.dead_letters += dead
             counts.messages += pending

@@ -37,6 +37,7 @@ from typing import Any
 
 import msgspec
 
+from schemas import locations as loc
 from schemas.events import Feedback
 
 __all__ = ["FEEDBACK_SEQ", "EpisodeRef", "FeedbackError", "feedback_event_id", "make_feedback", "find_episode",
@@ -123,17 +124,26 @@ def _from_data(con: Any, data: Path, episode_id: str) -> EpisodeRef | None:
     return EpisodeRef(episode_id, domain=row[0], task_id=row[1], policy_version=int(row[2]), num_steps=int(row[3]))
 
 
-def _from_archive(con: Any, archive: Path, episode_id: str) -> EpisodeRef | None:
+def _from_archive(con: Any, archive: Path | str, episode_id: str) -> EpisodeRef | None:
     from streams.archive import committed_files
 
-    files = committed_files(Path(archive))
+    files = committed_files(archive)
     if not files:
         return None
-    listing = "[" + ", ".join(_sql_str(str(p)) for p in files) + "]"
+    if loc.is_remote(archive):  # DuckDB has no httpfs here: the committed files as one Arrow dataset
+        import pyarrow.dataset as pads
+
+        fs, _ = loc.filesystem(str(files[0]))
+        con.register("_archive_files", pads.dataset([loc.filesystem(str(f))[1] for f in files], filesystem=fs,
+                                                    format="parquet"))
+        source = "_archive_files"
+    else:
+        source = (f"read_parquet([{', '.join(_sql_str(str(p)) for p in files)}], hive_partitioning=true, "
+                  "union_by_name=true)")
     row = con.execute(
         f"select any_value(domain), any_value(task_id), any_value(policy_version), "
         f"max(case when event_type = 'episode_finished' then episode_finished.num_steps end), count(*) "
-        f"from read_parquet({listing}, hive_partitioning=true, union_by_name=true) "
+        f"from {source} "
         f"where episode_id = ? and event_type in ('episode_started', 'step', 'episode_finished')",
         [episode_id]).fetchone()
     if row is None or not row[4]:
@@ -142,8 +152,11 @@ def _from_archive(con: Any, archive: Path, episode_id: str) -> EpisodeRef | None
                       num_steps=None if row[3] is None else int(row[3]))
 
 
-def find_episode(episode_id: str, *, data: Path | None = None, archive: Path | None = None) -> EpisodeRef | None:
+def find_episode(episode_id: str, *, data: Path | None = None, archive: Path | str | None = None
+                 ) -> EpisodeRef | None:
     """The episode's envelope from the datasets (``trajectories/`` of any version), else the event archive.
+
+    ``archive`` may be an ``s3://`` URI (:mod:`schemas.locations`); ``data`` is a local directory.
 
     Returns:
         The episode, or None when neither knows it.
@@ -154,7 +167,7 @@ def find_episode(episode_id: str, *, data: Path | None = None, archive: Path | N
     try:
         for source, lookup in ((data, _from_data), (archive, _from_archive)):
             if source is not None:
-                found = lookup(con, Path(source), episode_id)
+                found = lookup(con, source if loc.is_remote(source) else Path(source), episode_id)
                 if found is not None:
                     return found
         return None

@@ -54,11 +54,11 @@ def parse_as_of(value: int | str | None) -> int | datetime | None:
     return when
 
 
-def open_for_cli(*, data: Path | str | None, archive: Path | None, runs: Sequence[Path] = (),
+def open_for_cli(*, data: Path | str | None, archive: Path | str | None, runs: Sequence[Path] = (),
                  version: str | None = None, as_of: int | str | None = None) -> Catalog:
     """:func:`open_catalog` with command-line errors (flags named, what exists listed).
 
-    ``data``: a local directory or ``s3://BUCKET/PREFIX`` (:mod:`schemas.locations`).
+    ``data``, ``archive``: a local directory or ``s3://BUCKET/PREFIX`` (:mod:`schemas.locations`).
     ``as_of``: a commit number, or an ISO 8601 time (``2026-12-02T10:15:00Z``; no zone: UTC).
     """
     if data is None and archive is None:
@@ -69,17 +69,25 @@ def open_for_cli(*, data: Path | str | None, archive: Path | None, runs: Sequenc
             there = ", ".join(sorted(p.name for p in parent.iterdir())[:12]) if parent.is_dir() else "nothing"
             raise AnalyticsError(f"`{flag}` {path} is not a directory; {parent} holds: {there}")
     as_of = parse_as_of(as_of)
+    remote = [(flag, p) for flag, p in (("--data", data), ("--archive", archive)) if p is not None and loc.is_remote(p)]
+    flag = uri = None
     try:
-        if data is not None and loc.is_remote(data) and not loc.exists(data):
-            raise AnalyticsError(f"`--data` {data} does not exist (no such bucket, or nothing under that prefix); "
-                                 f"write a dataset there with `trajpipe pipeline run --out {data}`")
+        for flag, uri in remote:
+            if not loc.exists(uri):
+                write = "pipeline run" if flag == "--data" else "archive"
+                raise AnalyticsError(f"`{flag}` {uri} does not exist (no such bucket, or nothing under that prefix); "
+                                     f"write {'a dataset' if flag == '--data' else 'an archive'} there with "
+                                     f"`trajpipe {write} --out {uri}`")
+        flag = uri = None
         return open_catalog(data=data, archive=archive, runs=runs, version=version, as_of=as_of)
     except CatalogError as err:
         raise AnalyticsError(str(err)) from err
     except OSError as err:
-        if data is None or not loc.is_remote(data):
+        if not remote:
             raise
-        raise AnalyticsError(f"`--data` {data} cannot be read: {_one_line(err)}; check the bucket and the AWS_* "
+        flag, uri = (flag, uri) if uri is not None else remote[0] if len(remote) == 1 else \
+            ("--data/--archive", " and ".join(str(p) for _, p in remote))
+        raise AnalyticsError(f"`{flag}` {uri} cannot be read: {_one_line(err)}; check the bucket and the AWS_* "
                              "variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)") from err
 
 
@@ -161,8 +169,8 @@ def _emit(text: str, out: Path | None) -> None:
         out.write_text(text, encoding="utf-8")
 
 
-def query_command(sql: str, *, data: Path | str | None, archive: Path | None, runs: Sequence[Path], version: str | None,
-                  as_of: int | str | None, fmt: str, out: Path | None) -> dict[str, Any] | None:
+def query_command(sql: str, *, data: Path | str | None, archive: Path | str | None, runs: Sequence[Path],
+                  version: str | None, as_of: int | str | None, fmt: str, out: Path | None) -> dict[str, Any] | None:
     """``trajpipe query``: returns counts when ``--out`` wrote a file."""
     if fmt not in FORMATS:
         raise AnalyticsError(f"`--format` {fmt!r} is not one of {', '.join(FORMATS)}")
@@ -173,8 +181,8 @@ def query_command(sql: str, *, data: Path | str | None, archive: Path | None, ru
     return write_result(run_query(catalog, sql), fmt=fmt, out=out)
 
 
-def catalog_command(*, db: Path, data: Path | str | None, archive: Path | None, runs: Sequence[Path], version: str | None,
-                    as_of: int | str | None) -> dict[str, Any]:
+def catalog_command(*, db: Path, data: Path | str | None, archive: Path | str | None, runs: Sequence[Path],
+                    version: str | None, as_of: int | str | None) -> dict[str, Any]:
     """``trajpipe catalog``: write the DuckDB database file; returns its counts."""
     if db.is_dir():
         raise AnalyticsError(f"`--db` {db} is a directory; give a file path such as {db / 'catalog.duckdb'}")
@@ -187,8 +195,8 @@ def catalog_command(*, db: Path, data: Path | str | None, archive: Path | None, 
         raise AnalyticsError(str(err)) from err
 
 
-def report_command(name: str, *, data: Path | str | None, archive: Path | None, runs: Sequence[Path], version: str | None,
-                   as_of: int | str | None, fmt: str, out: Path | None) -> dict[str, Any] | None:
+def report_command(name: str, *, data: Path | str | None, archive: Path | str | None, runs: Sequence[Path],
+                   version: str | None, as_of: int | str | None, fmt: str, out: Path | None) -> dict[str, Any] | None:
     """``trajpipe report list|html|NAME``: returns counts when a file was written."""
     if name == "list":
         table = pa.Table.from_pylist([{"report": r.name, "title": r.title} for r in REPORTS.values()]

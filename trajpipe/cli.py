@@ -225,6 +225,35 @@ def _dataset_location(value: str | Path) -> Path | str:
     return os.fspath(value).rstrip("/")
 
 
+def _check_remote_out(flag: str, uri: str) -> None:
+    """An output location on an object store: its bucket must exist and be readable (one line otherwise, exit 2)."""
+    from schemas import locations as loc
+    from schemas.storage import _split_s3
+
+    bucket, _ = _split_s3(uri)
+    try:
+        found = loc.exists(f"s3://{bucket}")
+    except OSError as err:
+        _fail(f"`{flag}` {uri} cannot be read: {' '.join(str(err).split())}; check the bucket and the AWS_* "
+              "variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
+    if not found:
+        _fail(f"`{flag}` {uri}: bucket {bucket!r} does not exist; create it first (e.g. `s3.bucket.create -name "
+              f"{bucket}` in SeaweedFS' `weed shell`, `aws s3 mb s3://{bucket}`)")
+
+
+def _check_remote_archive(uri: str) -> None:
+    """``--archive`` on an object store must be readable and hold commit manifests (one line otherwise, exit 2)."""
+    from schemas import locations as loc
+
+    try:
+        found = bool(loc.list_files(loc.join(uri, "_commits"), suffix=".json"))
+    except OSError as err:
+        _fail(f"`--archive` {uri} cannot be read: {' '.join(str(err).split())}; check the bucket and the AWS_* "
+              "variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
+    if not found:
+        _fail(f"`--archive` {uri} holds no event archive (no _commits/); write one with `trajpipe archive --out {uri}`")
+
+
 def _check_remote_data(uri: str) -> None:
     """``--data`` on an object store must be readable and hold dataset manifests (one line otherwise, exit 2)."""
     from schemas import locations as loc
@@ -484,7 +513,8 @@ def synth(
 
 @app.command("archive")
 def archive(
-    out: Annotated[Path, typer.Option(help="archive directory", parser=_local_location, metavar="PATH")],
+    out: Annotated[Path, typer.Option(help="archive directory or s3://BUCKET/PREFIX", parser=_dataset_location,
+                                      metavar="PATH")],
     until_end: Annotated[bool, typer.Option("--until-end", help="stop at the end offsets seen at start")] = False,
     bootstrap: BootstrapOpt = None,
     commit_every: Annotated[int, typer.Option(help="messages per commit")] = 50_000,
@@ -493,7 +523,10 @@ def archive(
     config: ConfigOpt = None,
 ) -> None:
     """Drain the events topic into the append-only Parquet event archive."""
-    _check_dir("--out", out)
+    if isinstance(out, str):
+        _check_remote_out("--out", out)
+    else:
+        _check_dir("--out", out)
     _check_dir("--spool-dir", spool_dir)
     _check_at_least("--commit-every", commit_every, 1)
     if not poll_interval > 0:
@@ -912,8 +945,9 @@ def feedback(
     comment: Annotated[str, typer.Option(help="free text")] = "",
     data: Annotated[Optional[Path], typer.Option(help="dataset root to look the episode up in",
                                                  parser=_local_location, metavar="PATH")] = None,
-    archive: Annotated[Optional[Path], typer.Option(help="event archive to look the episode up in",
-                                                    parser=_local_location, metavar="PATH")] = None,
+    archive: Annotated[Optional[Path], typer.Option(help="event archive to look the episode up in: a directory "
+                                                    "or s3://BUCKET/PREFIX", parser=_dataset_location,
+                                                    metavar="PATH")] = None,
     domain: Annotated[Optional[str], typer.Option(help="the episode's domain (instead of a look-up)")] = None,
     task_id: Annotated[Optional[str], typer.Option("--task-id", help="its task (with --domain)")] = None,
     policy_version: Annotated[int, typer.Option("--policy-version", help="its policy version (with --domain)")] = 0,
@@ -924,7 +958,10 @@ def feedback(
 ) -> None:
     """Send a rating or a correction of an episode (or one of its steps) as a `feedback` event (docs/feedback.md)."""
     _check_dir("--data", data, must_exist=True)
-    _check_dir("--archive", archive, must_exist=True)
+    if isinstance(archive, str):
+        _check_remote_archive(archive)
+    else:
+        _check_dir("--archive", archive, must_exist=True)
     _check_dir("--spool-dir", spool_dir)
     from streams.feedback import EpisodeRef, FeedbackError, find_episode, make_feedback, send_feedback
 
@@ -959,8 +996,9 @@ def feedback(
 DataOpt = Annotated[Optional[Path], typer.Option("--data", help="dataset root (trajpipe pipeline run --out): a "
                                                  "directory or s3://BUCKET/PREFIX", parser=_dataset_location,
                                                  metavar="PATH")]
-ArchiveOpt = Annotated[Optional[Path], typer.Option("--archive", help="event archive (trajpipe archive --out)",
-                                                    parser=_local_location, metavar="PATH")]
+ArchiveOpt = Annotated[Optional[Path], typer.Option("--archive", help="event archive (trajpipe archive --out): a "
+                                                    "directory or s3://BUCKET/PREFIX", parser=_dataset_location,
+                                                    metavar="PATH")]
 RunsOpt = Annotated[Optional[list[Path]], typer.Option("--runs", help="training run dir(s) (or their parent): "
                                                        "policies/v*/policy.json become the `policies` view",
                                                        parser=_local_location, metavar="PATH")]

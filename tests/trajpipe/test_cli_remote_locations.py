@@ -6,7 +6,9 @@ Until the sinks and readers move onto the storage layer (issue 14), pathlib turn
 into the local directory ``gs:/bucket/x``: on a remote worker the files stayed there while the
 manifest claimed the Kafka offsets. Each such flag now ends the command with one ``error:`` line
 naming the flag and exit status 2, with nothing read from Kafka and nothing written. The batch
-``pipeline run --out`` writes ``s3://`` (tests/storage/test_pipeline_s3.py); its streaming mode does not,
+``pipeline run --out`` writes ``s3://`` (tests/storage/test_pipeline_s3.py), the archiver and its readers
+(``archive --out``, ``pipeline run --archive``, ``query --archive``) take it (tests/storage/test_archive_s3.py);
+the streaming mode does not,
 and no command takes ``gs://`` (the storage layer's scheme check).
 """
 
@@ -64,7 +66,9 @@ CASES = {
 
 
 #: Flags whose readers take ``s3://`` (tests/storage/test_readers_s3.py): refused for another scheme.
-GS_ONLY = ("train --data", "train data.dir in --config", "query --data", "report --data", "loop run_dir in --config")
+GS_ONLY = ("train --data", "train data.dir in --config", "query --data", "report --data", "loop run_dir in --config",
+           # and the archive's writer and readers (tests/storage/test_archive_s3.py)
+           "archive --out", "pipeline run --archive", "query --archive", "feedback --archive")
 #: Run as real processes (the console script's path); the rest in-process through the same error handling.
 SUBPROCESS = ("archive --out", "pipeline run --mode stream --out", "train data.dir in --config")
 
