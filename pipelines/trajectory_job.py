@@ -280,6 +280,17 @@ def _check(args: argparse.Namespace) -> None:
                        "must be >= 0 seconds")
 
 
+def _check_out_readable(out: str) -> None:
+    """An object-store ``--out`` the credentials cannot read ends the run with one line, before any Kafka read."""
+    if not is_remote(out):
+        return
+    try:
+        loc.list_dir(out)
+    except OSError as err:
+        raise JobError(f"`--out` {out} cannot be read: {' '.join(str(err).split())}; check the bucket and the AWS_* "
+                       "variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)") from err
+
+
 def _options(args: argparse.Namespace, beam_args: list[str]) -> PipelineOptions:
     runner = args.runner or "FnApiRunner"
     if runner == "FnApiRunner":
@@ -870,6 +881,7 @@ def run(argv: Sequence[str] | None = None, *, conn: KafkaConnection | None = Non
     """
     args, beam_args = _parse(argv)
     _check(args)
+    _check_out_readable(args.out)
     recipe = load_recipe(args.recipe)
     if args.tokenizer:
         try:  # a wrong --tokenizer is found before any Beam job runs

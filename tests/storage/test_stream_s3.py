@@ -294,3 +294,17 @@ def test_a_pane_that_loses_the_manifest_race_is_planned_again_on_top_of_the_winn
     dead = _rows(uri, "dead_letters")
     assert sorted(dead.column("source_topic").to_pylist()) == sorted(["rival", events["topic"]])
     assert not [p for p in loc.list_files(uri) if "/_staging/" in p]
+
+
+@pytest.mark.parametrize("mode", ["batch", "stream"])
+def test_credentials_the_store_refuses_are_one_line_before_any_kafka_read(mode, s3_env, tmp_path):
+    uri = s3_env.uri(f"refused-{uuid.uuid4().hex[:8]}", "datasets")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TRAJPIPE_")}, "PYTHONPATH": str(REPO),
+           "AWS_SECRET_ACCESS_KEY": "wrong"}
+    proc = subprocess.run([sys.executable, "-m", "trajpipe", "pipeline", "run", "--source", "kafka", "--bootstrap",
+                           "127.0.0.1:1", "--mode", mode, "--out", uri], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert f"`--out` {uri} cannot be read" in lines[0] and "AWS_SECRET_ACCESS_KEY" in lines[0], lines
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
