@@ -40,13 +40,16 @@ pending-state commit decides no groups.
 On an object store (``--out s3://...``) every file goes through :mod:`schemas.locations`, as
 in the batch commit, and there is no ``flock``: the job's pane writers (threads of one
 process on Prism's LOOPBACK worker) take turns on a process lock, each attempt stages under
-``_staging/<V>/<n>-<job><attempt>/`` and writes its manifest create-only. An attempt that
+``_staging/<V>/<n>-<job><pane><attempt>/`` and writes its manifest create-only. An attempt that
 loses that PUT to another run (or finds its staging deleted by that run's recovery once ``n``
 is committed) deletes its staging and is **planned again** from the top -- recover, read the
 manifests, drop what the winner committed, decide, stage, commit ``n + 1`` -- which is what a
 local writer does after waiting for the lock: the pane's elements are in hand, the commit is
 a function of them and of the committed state (:func:`made_by_job` tells the job's commits
-from the winner's for its counts).
+from the winner's for its counts). The staging name also names the pane
+(``<n>-<job><pane><attempt>``): a bundle the runner retries after its commit's manifest was
+written (a store error in the moves or the Delta transactions) finds its pane committed,
+recovers it, and commits nothing again.
 
 Examples:
     >>> merge_offsets([(0, 5, 9, 4), (0, 2, 5, 3), (1, 7, 8, 1)])
@@ -60,6 +63,7 @@ import math
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -110,8 +114,16 @@ def _process_lock(layout: DatasetLayout) -> threading.Lock:
         return _LOCKS.setdefault((layout.root, layout.version), threading.Lock())
 
 
+def _pane_key(win: Any, pane: Any) -> str:
+    """8 hex digits naming a window pane within a job (its window, timing and index)."""
+    where = f"{float(win.start)},{float(win.end)}" if isinstance(win, window.IntervalWindow) else "global"
+    return f"{zlib.crc32(f'{where}/{pane.timing}/{pane.index}'.encode()):08x}"
+
+
 def made_by_job(manifest: DatasetManifest, job: str) -> bool:
-    """Whether a stream commit on an object store was made by the job ``job`` (its staging ``<n>-<job><attempt>``).
+    """Whether a stream commit on an object store was made by ``job`` (staged as ``<n>-<job><pane><attempt>``).
+
+    ``job`` may be a job's id or a job's id and a pane's key (that pane's commit).
 
     Examples:
         >>> from pipelines.commit import CommittedFile
@@ -205,11 +217,13 @@ class _CommitPaneFn(beam.DoFn):
             # No flock on an object store: this job's pane writers (parallel bundles of one process) take turns
             # on a process lock, and a commit that loses the create-only manifest PUT to another process is
             # planned again on top of the winner's commit -- what a local writer does after waiting for the lock.
+            # The staging name <n>-<job><pane><attempt> also tells a retried bundle that its pane is committed.
+            pane_id = self._job + _pane_key(win, pane) if self._job else None
             with _process_lock(self._layout):
                 while True:
-                    layout = msgspec.structs.replace(self._layout, run=self._job + uuid.uuid4().hex[:8])
+                    layout = msgspec.structs.replace(self._layout, run=(pane_id or "") + uuid.uuid4().hex[:8])
                     try:
-                        done = self._commit_once(layout, got, win, pane)
+                        done = self._commit_once(layout, got, win, pane, pane_id=pane_id)
                         break
                     except CommitConflict as err:
                         self._conflicts.inc()
@@ -222,9 +236,13 @@ class _CommitPaneFn(beam.DoFn):
         self._commits.inc()  # steps are counted in the manifests (run_stream sums them)
         return n
 
-    def _commit_once(self, layout: DatasetLayout, got: dict[str, list[Any]], win: Any,
-                     pane: Any) -> tuple[int, list[tuple[Any, int]]] | None:
+    def _commit_once(self, layout: DatasetLayout, got: dict[str, list[Any]], win: Any, pane: Any, *,
+                     pane_id: str | None = None) -> tuple[int, list[tuple[Any, int]]] | None:
         """One attempt at the pane's commit (under the commit lock, or its object-store stand-in).
+
+        ``pane_id`` (object stores): ``<job><pane>``, the prefix of this pane's staging names; a manifest
+        staged under it means a retry of a bundle whose commit was made (it failed after its manifest):
+        recovered, nothing more to commit.
 
         Returns:
             None when the pane has nothing to commit, else ``(commit number, metric increments)``: the
@@ -237,6 +255,12 @@ class _CommitPaneFn(beam.DoFn):
         recover(layout)
         manifests = read_manifests(layout)
         self._refresh(manifests)
+        if pane_id is not None:
+            made = [m.commit for m in manifests if made_by_job(m, pane_id)]
+            if made:
+                _LOG.warning("pane %s of window %s was committed as %s before its bundle failed (recovered); "
+                             "not committing it again", pane, win, made[0])
+                return None
         is_window = isinstance(win, window.IntervalWindow)
         held = load_held_state(layout, manifests)
         emitted = self._complete | held_episode_ids(held)  # held rows were emitted too

@@ -731,7 +731,7 @@ def run_stream(
     layout = DatasetLayout(out=str(out), version=recipe.version, recipe_hash=recipe.content_hash)
     fixed = recover(layout)
     manifests = read_manifests(layout)
-    # On an object store this job's commits are staged as `<n>-<job><attempt>`: another run's commits made
+    # On an object store this job's commits are staged as `<n>-<job><pane><attempt>`: another run's commits made
     # meanwhile (a pane that lost the create-only manifest to one was planned again on top of it) are not ours.
     job = uuid.uuid4().hex[:8] if layout.remote else ""
     topic = kafka["topic"]

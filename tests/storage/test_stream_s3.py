@@ -10,7 +10,8 @@ one Delta transaction per table. These tests hold it to the same stream written 
   reads from the covered offsets, feeds the pending state back and completes them, each once;
 * a crash between a pane's manifest and its Delta transactions fails the job; the restart
   makes the transactions and gives the same dataset;
-* a pane that loses the create-only manifest PUT to another run is planned again on top of its commit.
+* a pane that loses the create-only manifest PUT to another run is planned again on top of its commit;
+* a bundle the runner retries after its pane's commit was made commits nothing again.
 
 Every job stops with ``--stop-at-end`` (tests/pipelines/test_streaming.py drives the same job).
 """
@@ -202,8 +203,8 @@ def test_restart_continues_from_the_committed_offsets(kafka_broker, s3_env):
 
 
 #: ``trajpipe pipeline run`` whose process dies (no cleanup, no exception) when the commit of the pane with the
-#: episodes reaches its Delta transactions: manifest written and files moved. (An exception there would not end the job: Prism retries
-#: the bundle.) The SDK worker is in this process (LOOPBACK), so the whole job dies with it.
+#: episodes reaches its Delta transactions: manifest written and files moved. (An exception there would not end
+#: the job: Prism retries the bundle.) The SDK worker is in this process (LOOPBACK): the whole job dies with it.
 CRASHING = """
 import os, runpy, sys
 from pipelines import delta_tables
@@ -293,6 +294,32 @@ def test_a_pane_that_loses_the_manifest_race_is_planned_again_on_top_of_the_winn
         assert _rows(uri, table).equals(_rows(local, table)), table
     dead = _rows(uri, "dead_letters")
     assert sorted(dead.column("source_topic").to_pylist()) == sorted(["rival", events["topic"]])
+    assert not [p for p in loc.list_files(uri) if "/_staging/" in p]
+
+
+def test_a_bundle_retried_after_its_commit_commits_nothing_twice(events, local_stream, s3_env, monkeypatch):
+    """The first pane commit fails after its manifest and Delta transactions (a store error there, say): Prism
+    retries the bundle; the retry finds its pane committed (its staging name) and commits nothing again --
+    no second dead letter, no extra commit."""
+    from pipelines import stream_commit
+
+    local, local_counts = local_stream
+    uri = s3_env.uri(f"stream-retry-{uuid.uuid4().hex[:8]}", "datasets")
+    commit_staged, failed = stream_commit.commit_staged, []
+
+    def fail_once_after_the_commit(layout, manifest, **kw):  # in the pane writer (LOOPBACK: this process)
+        written = commit_staged(layout, manifest, **kw)
+        if not failed and any(f.path.startswith("dead_letters/") for f in written.files):
+            failed.append(written.commit)
+            raise OSError(f"simulated store error after commit {written.commit}")
+        return written
+
+    monkeypatch.setattr(stream_commit, "commit_staged", fail_once_after_the_commit)
+    counts = run(_args(events["bootstrap"], events["topic"], uri))
+    print(f"retried {counts}")
+    assert failed, "no commit failed"
+    assert len(_manifests(uri)) == local_counts["commits"]
+    _same_rows(uri, local)  # the dead letter once
     assert not [p for p in loc.list_files(uri) if "/_staging/" in p]
 
 
