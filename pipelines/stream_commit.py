@@ -382,6 +382,8 @@ class CommitWindows(beam.PTransform):
         max_future_s: an episode's last event time counts on a commit's clock at most this far
             ahead of the wall clock at the commit.
         tokenizer: model directory whose tokenizer turns corrections into samples (pipelines/feedback.py).
+        job: (object stores) 8 hex digits naming this job run in its staging names (:func:`made_by_job`);
+            empty: panes are not told apart from other jobs' (no retried-bundle check).
 
     Returns:
         PCollection of the commit numbers made.
@@ -432,7 +434,7 @@ class CommitPending(beam.PTransform):
 
     Input: ``(episode_id, events)`` from :class:`pipelines.assemble.AssembleEpisodesStreaming`'s
     ``pending`` output. The commit writes ``_state/<V>/pending-<n>.arrow``, which
-    the next run of the streaming job feeds back into the assembler.
+    the next run of the streaming job feeds back into the assembler. ``job``: as for :class:`CommitWindows`.
     """
 
     def __init__(self, out: str | Path, recipe: Recipe, *, topic: str,

@@ -35,7 +35,7 @@ or an S3-compatible store, which the workers write to directly (the AWS variable
 docs/storage.md in the driver's and the workers' environment), in either mode::
 
     python -m pipelines.trajectory_job --source kafka --bootstrap 127.0.0.1:9092 --out s3://bucket/datasets
-    python -m pipelines.trajectory_job --source kafka --bootstrap 127.0.0.1:9092 --out s3://bucket/datasets \
+    python -m pipelines.trajectory_job --source kafka --bootstrap 127.0.0.1:9092 --out s3://bucket/datasets \\
         --mode stream --runner PrismRunner --window-s 10
 
 GRPO groups whose members have not all arrived are held (not written) until
