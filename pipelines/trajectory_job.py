@@ -31,10 +31,12 @@ filesystem the workers and the driver share::
     python -m pipelines.trajectory_job --source archive --archive /shared/archive --out /shared/datasets \\
         --runner FlinkRunner --flink_master flink:8081 --environment_type DOCKER
 
-or, in batch mode, an S3-compatible store, which the workers write to directly
-(the AWS variables of docs/storage.md in the driver's and the workers' environment)::
+or an S3-compatible store, which the workers write to directly (the AWS variables of
+docs/storage.md in the driver's and the workers' environment), in either mode::
 
     python -m pipelines.trajectory_job --source kafka --bootstrap 127.0.0.1:9092 --out s3://bucket/datasets
+    python -m pipelines.trajectory_job --source kafka --bootstrap 127.0.0.1:9092 --out s3://bucket/datasets \\
+        --mode stream --runner PrismRunner --window-s 10
 
 GRPO groups whose members have not all arrived are held (not written) until
 they have, or for ``--group-timeout`` seconds of event time (pipelines/groups.py)::
@@ -136,7 +138,7 @@ from pipelines.verify import VerifySteps
 from schemas.events import Event
 from schemas import locations as loc
 from schemas.locations import filesystem, is_remote
-from schemas.storage import StorageError, local_path, scheme_of
+from schemas.storage import StorageError, local_path
 from streams.config import KafkaConnection, Topics
 from streams.errors import KafkaUnavailable, check_kafka, kafka_access_errors
 from streams.consumer import StreamTimeoutError
@@ -188,7 +190,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--bootstrap", help="Kafka bootstrap servers (--source kafka)")
     parser.add_argument("--topic", default=None, help="events topic (default: settings' topics.events)")
     parser.add_argument("--archive", help="event archive directory (--source archive)")
-    parser.add_argument("--out", required=True, help="dataset root: a directory, or s3://BUCKET/PREFIX (--mode batch)")
+    parser.add_argument("--out", required=True, help="dataset root: a directory, or s3://BUCKET/PREFIX")
     parser.add_argument("--mode", choices=("batch", "stream"), default="batch")
     parser.add_argument("--recipe", default="outcome", help="builtin recipe name or YAML file")
     parser.add_argument("--runner", default=None, help="Beam runner (default FnApiRunner for batch)")
@@ -229,10 +231,10 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _check(args: argparse.Namespace) -> None:
-    # First, before any Kafka read or manifest. A batch run writes `--out` and reads `--archive` through
-    # schemas.locations (a local directory or s3://); the streaming job's commits are local-only.
+    # First, before any Kafka read or manifest. Both modes write `--out` through schemas.locations (a local
+    # directory or s3://); a batch run reads `--archive` through it too, the streaming job's archive reader is local.
     remote_archive = args.mode != "stream" and args.archive and scheme_of(args.archive) == "s3"
-    local_flags = ("out", "archive") if args.mode == "stream" else () if remote_archive else ("archive",)
+    local_flags = () if remote_archive else ("archive",)
     if remote_archive:
         try:
             filesystem(args.archive)  # a bucket is named, the AWS_* settings parse
@@ -244,9 +246,8 @@ def _check(args: argparse.Namespace) -> None:
             try:
                 setattr(args, flag, str(local_path(getattr(args, flag), flag=f"--{flag}")))
             except StorageError as err:
-                hint = "; `--mode batch` writes s3://" if flag == "out" and scheme_of(args.out) == "s3" else ""
-                raise JobError(f"{err}{hint} (see `trajpipe pipeline run --help`)") from err
-    if args.mode != "stream" and args.out:
+                raise JobError(f"{err} (see `trajpipe pipeline run --help`)") from err
+    if args.out:
         try:
             filesystem(args.out)  # refuses gs://, az://, ... naming the scheme
         except StorageError as err:
@@ -285,6 +286,17 @@ def _check(args: argparse.Namespace) -> None:
     if args.late_retention < 0 or args.max_future_s < 0:
         raise JobError(f"`--late-retention` ({args.late_retention}) and `--max-future-s` ({args.max_future_s}) "
                        "must be >= 0 seconds")
+
+
+def _check_out_readable(out: str) -> None:
+    """An object-store ``--out`` the credentials cannot read ends the run with one line, before any Kafka read."""
+    if not is_remote(out):
+        return
+    try:
+        loc.list_dir(out)
+    except OSError as err:
+        raise JobError(f"`--out` {out} cannot be read: {' '.join(str(err).split())}; check the bucket and the AWS_* "
+                       "variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)") from err
 
 
 def _options(args: argparse.Namespace, beam_args: list[str]) -> PipelineOptions:
@@ -720,7 +732,7 @@ def run_stream(
     from pipelines.assemble import AssembleEpisodesStreaming
     from pipelines.runners import disable_runner_splits
     from pipelines.sources_kafka import ReadKafkaStream
-    from pipelines.stream_commit import CommitPending, CommitWindows, batch_offsets
+    from pipelines.stream_commit import CommitPending, CommitWindows, batch_offsets, made_by_job
     from streams.consumer import end_offsets
 
     # The assembler keeps each episode's events in keyed state: a runner split of its bundles loses some
@@ -729,6 +741,9 @@ def run_stream(
     layout = DatasetLayout(out=str(out), version=recipe.version, recipe_hash=recipe.content_hash)
     fixed = recover(layout)
     manifests = read_manifests(layout)
+    # On an object store this job's commits are staged as `<n>-<job><pane><attempt>`: another run's commits made
+    # meanwhile (a pane that lost the create-only manifest to one was planned again on top of it) are not ours.
+    job = uuid.uuid4().hex[:8] if layout.remote else ""
     topic = kafka["topic"]
     start = covered_offsets(manifests, topic)
     # The workers read the committed episodes and the late state from the dataset (pipelines/committed.py):
@@ -779,13 +794,13 @@ def run_stream(
     } | "CommitWindows" >> CommitWindows(out, recipe, topic=topic, window_s=window_s,
                                          allowed_lateness_s=allowed_lateness_s, shards=shards,
                                          group_timeout_s=group_timeout_s, late_retention_s=late_retention_s,
-                                         max_future_s=max_future_s, tokenizer=tokenizer)
+                                         max_future_s=max_future_s, tokenizer=tokenizer, job=job)
     _ = assembled[PENDING_TAG] | "CommitPending" >> CommitPending(out, recipe, topic=topic,
-                                                                  late_retention_s=late_retention_s)
+                                                                  late_retention_s=late_retention_s, job=job)
     result = p.run()
     result.wait_until_finish()
     counts, _ = _counts(result)
-    ours = read_manifests(layout)[len(manifests):]
+    ours = [m for m in read_manifests(layout)[len(manifests):] if not job or made_by_job(m, job)]
     # Steps are counted where they are written, in this run's manifests: a metric bumped by the writer
     # of the last pane is not always reported before Prism ends the job.
     counts["steps"] = sum(m.counts.get("steps", 0) for m in ours)
@@ -876,6 +891,7 @@ def run(argv: Sequence[str] | None = None, *, conn: KafkaConnection | None = Non
     """
     args, beam_args = _parse(argv)
     _check(args)
+    _check_out_readable(args.out)
     recipe = load_recipe(args.recipe)
     if args.tokenizer:
         try:  # a wrong --tokenizer is found before any Beam job runs

@@ -5,11 +5,11 @@ take ``s3://`` and refuse other schemes).
 Until the sinks and readers move onto the storage layer (issue 14), pathlib turned ``gs://bucket/x``
 into the local directory ``gs:/bucket/x``: on a remote worker the files stayed there while the
 manifest claimed the Kafka offsets. Each such flag now ends the command with one ``error:`` line
-naming the flag and exit status 2, with nothing read from Kafka and nothing written. The batch
-``pipeline run --out`` writes ``s3://`` (tests/storage/test_pipeline_s3.py), the archiver and its readers
-(``archive --out``, ``pipeline run --archive``, ``query --archive``) take it (tests/storage/test_archive_s3.py);
-the streaming mode does not,
-and no command takes ``gs://`` (the storage layer's scheme check).
+naming the flag and exit status 2, with nothing read from Kafka and nothing written.
+``pipeline run --out`` writes ``s3://`` in both modes (tests/storage/test_pipeline_s3.py,
+tests/storage/test_stream_s3.py), the archiver and its readers (``archive --out``, batch ``pipeline run
+--archive``, ``query --archive``) take it (tests/storage/test_archive_s3.py), and no command takes ``gs://``
+(the storage layer's scheme check).
 """
 
 from __future__ import annotations
@@ -42,8 +42,6 @@ def _error_lines(stderr: str) -> list[str]:
 # (command line with {dir}: an existing local directory, {uri}: the remote location, the flag the line must name)
 CASES = {
     "archive --out": (["archive", *NO_BROKER, "--out", "{uri}"], "--out"),
-    "pipeline run --mode stream --out": (["pipeline", "run", "--source", "kafka", *NO_BROKER, "--mode", "stream",
-                                          "--out", "{uri}"], "--out"),
     "pipeline run --archive": (["pipeline", "run", "--source", "archive", "--archive", "{uri}", "--out", "{dir}/d"],
                                "--archive"),
     "train --data": (["train", "--data", "{uri}", "--model", "{dir}", "--out", "{dir}/run"], "--data"),
@@ -70,7 +68,7 @@ GS_ONLY = ("train --data", "train data.dir in --config", "query --data", "report
            # and the archive's writer and readers (tests/storage/test_archive_s3.py)
            "archive --out", "pipeline run --archive", "query --archive", "feedback --archive")
 #: Run as real processes (the console script's path); the rest in-process through the same error handling.
-SUBPROCESS = ("archive --out", "pipeline run --mode stream --out", "train data.dir in --config")
+SUBPROCESS = ("archive --out", "train data.dir in --config")
 
 
 def _dirs(tmp_path: Path) -> tuple[Path, Path]:
@@ -128,10 +126,12 @@ def test_pipeline_and_archiver_refuse_before_reading_a_live_broker(kafka_broker,
         assert proc.stdout == "" and list(tmp_path.iterdir()) == []
 
 
-def test_pipeline_run_batch_refuses_an_unsupported_scheme_with_one_line(tmp_path):
-    """The batch job writes s3:// but no other object store: `gs://` is one line naming the flag and the scheme."""
-    proc = _trajpipe(["pipeline", "run", "--source", "kafka", *NO_BROKER, "--out", "gs://bucket/datasets"],
-                     cwd=tmp_path)
+@pytest.mark.parametrize("mode", ["batch", "stream"])
+def test_pipeline_run_refuses_an_unsupported_scheme_with_one_line(mode, tmp_path):
+    """The job writes s3:// (both modes) but no other object store: `gs://` is one line naming the flag and the
+    scheme."""
+    proc = _trajpipe(["pipeline", "run", "--source", "kafka", *NO_BROKER, "--mode", mode,
+                      "--out", "gs://bucket/datasets"], cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = _error_lines(proc.stderr)
     assert len(lines) == 1 and "`--out`" in lines[0] and "scheme gs:// is not supported" in lines[0], proc.stderr
