@@ -250,7 +250,13 @@ def list_files(location: str | os.PathLike[str], *, suffix: str = "") -> list[st
     text = os.fspath(location)
     fs, path = filesystem(text)
     infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
-    return sorted(_location(i.path, text) for i in infos
+    if is_remote(text):
+        return sorted(_location(i.path, text) for i in infos
+                      if i.type == pafs.FileType.File and i.base_name.endswith(suffix))
+    # Locally the filesystem answers absolute paths; give them in the caller's form (a relative ``location``
+    # gives relative paths under it), since callers cut their own prefix off the results.
+    given = text.rstrip("/") or "/"
+    return sorted(given + i.path[len(path.rstrip("/")):] for i in infos
                   if i.type == pafs.FileType.File and i.base_name.endswith(suffix))
 
 
