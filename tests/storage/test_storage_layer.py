@@ -93,3 +93,21 @@ def test_local_path_refuses_remote_uris_naming_the_flag_and_maps_file_uris():
         local_path(Path("gs://bucket/datasets"), flag="--data")
     assert str(err.value).startswith("`--data` gs://bucket/datasets: remote storage is not yet supported for "
                                      "`--data`")
+
+
+def test_list_files_answers_in_the_form_of_the_location_given(tmp_path, monkeypatch):
+    """A relative local location lists relative paths under it (callers cut their prefix off the results).
+
+    Before, the filesystem's absolute paths came back: the dataset commit cut ``len(staging)`` characters
+    off them and ``trajpipe pipeline run --out rel/dir`` read a JSON count file as Parquet.
+    """
+    from schemas import locations as loc
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rel" / "a" / "b").mkdir(parents=True)
+    (tmp_path / "rel" / "a" / "b" / "x.parquet").write_bytes(b"x")
+    (tmp_path / "rel" / "a" / "y.json").write_bytes(b"{}")
+    assert loc.list_files("rel/a") == ["rel/a/b/x.parquet", "rel/a/y.json"]
+    assert loc.list_files("rel/a/", suffix=".json") == ["rel/a/y.json"]
+    assert loc.list_files(str(tmp_path / "rel" / "a"), suffix=".parquet") == [str(tmp_path / "rel/a/b/x.parquet")]
+    assert loc.list_files("rel/none") == []
