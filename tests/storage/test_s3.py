@@ -122,6 +122,37 @@ def test_a_stale_writer_is_refused_by_the_conditional_put_and_retried_on_the_nex
     assert sorted(_batch_ids(table)) == ["a", "b", "v0"]
 
 
+def test_two_writers_of_one_application_transaction_version_one_commits_the_other_is_refused(s3_env):
+    """The Delta log itself can be a create-only commit point (what the manifests are today).
+
+    Two handles read the same snapshot and both commit application transaction ``trajpipe.V`` = 1
+    (the same dataset commit): blind appends of *different* app ids are retried onto the next version
+    (the test above), but the second commit of the *same* app id is refused by delta-rs' conflict
+    checker (``CommitFailedError``, "Concurrent transaction failed"), on SeaweedFS as on a local disk.
+    A stale handle committing a version the table already has is refused too. So two runs racing
+    for dataset commit ``n`` can be decided by the Delta commit alone: one commits, the other
+    learns it lost (the design note in docs/storage.md, "Next: the Delta log as the commit point").
+    """
+    from deltalake.exceptions import CommitFailedError
+
+    uri = s3_env.uri("delta-same-app-txn", "steps")
+    options = delta_storage_options(uri)
+    write_deltalake(uri, _steps("v0", 4), mode="append", storage_options=options, commit_properties=_commit(
+        "v0", app_id="other", version=1))
+    a, b = DeltaTable(uri, storage_options=options), DeltaTable(uri, storage_options=options)
+    write_deltalake(a, _steps("a", 4), mode="append", commit_properties=_commit("a", app_id="trajpipe.V", version=1))
+    with pytest.raises(CommitFailedError, match="[Cc]oncurrent transaction"):
+        write_deltalake(b, _steps("b", 4), mode="append", commit_properties=_commit("b", app_id="trajpipe.V",
+                                                                                    version=1))
+    table = DeltaTable(uri, storage_options=options)
+    assert table.version() == 1 and table.transaction_version("trajpipe.V") == 1
+    assert sorted(_batch_ids(table)) == ["a", "v0"] and table.to_pyarrow_dataset().count_rows() == 8
+    # the next commit of the same app id from an up-to-date handle goes through
+    write_deltalake(table, _steps("c", 4), mode="append", commit_properties=_commit("c", app_id="trajpipe.V",
+                                                                                    version=2))
+    assert DeltaTable(uri, storage_options=options).transaction_version("trajpipe.V") == 2
+
+
 def _append_many(uri: str, writer: int, env: dict[str, str], ready: multiprocessing.Queue,
                  start: multiprocessing.Event, results: multiprocessing.Queue) -> None:
     """One writer process: COMMITS_PER_WRITER appends, each its own batch id and transaction version."""
