@@ -178,3 +178,48 @@ def test_an_unreadable_store_is_one_error_line(datasets, s3_store, tiny_model, t
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "--data" in lines[0] and uri in lines[0], lines
+
+
+def _episode_ids(data: str) -> list[str]:
+    return [e for b in _batches(data) for e in b.episode_ids]
+
+
+def test_the_trainer_tails_new_commits_on_s3(kafka_broker, s3_env):
+    """Online training on S3: a ``mode="tail"`` stream reads commit 1, then picks up commit 2 made while it runs.
+
+    Every episode comes once, commit 1's before commit 2's, and the tail sees what an offline read of the
+    finished dataset sees.
+    """
+    topic = f"test.tail-s3.{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka_broker.bootstrap)
+    try:
+        admin.create_topics([NewTopic(topic, num_partitions=2, replication_factor=1)])
+    finally:
+        admin.close()
+    uri = s3_env.uri(f"tail-{uuid.uuid4().hex[:8]}", "datasets")
+    args = ["--source", "kafka", "--bootstrap", kafka_broker.bootstrap, "--topic", topic, "--out", uri]
+    eps = list(generate_episodes(2 * N, seed=43, vocab_size=VOCAB))
+    produce_messages(kafka_broker.bootstrap, topic, [(e.episode_id.encode(), encode_event(e)) for e in flat(eps[:N])])
+    run(args)
+    first = set(_episode_ids(uri))
+    assert first
+
+    # idle_timeout_s only ends the test if commit 2 never shows up (it then fails below)
+    stream = TrajectoryStream(uri, seq_len=512, batch_size=1, shuffle=False, mode="tail", poll_interval_s=0.2,
+                              idle_timeout_s=120.0, rank=0, world_size=1)
+    seen: list[str] = []
+    second: set[str] | None = None
+    for batch in TrajectoryLoader(stream):
+        seen += [e for e in batch.episode_ids if not seen or e != seen[-1]]
+        if second is None and set(seen) >= first:  # commit 1 read: commit 2 lands while the stream waits
+            produce_messages(kafka_broker.bootstrap, topic,
+                             [(e.episode_id.encode(), encode_event(e)) for e in flat(eps[N:])])
+            run(args)
+            second = set(_episode_ids(uri)) - first
+            assert second
+        if second is not None and set(seen) >= first | second:
+            break
+    assert second is not None and set(seen) == first | second
+    assert len(seen) == len(set(seen))  # each episode once
+    assert set(seen[:len(first)]) == first  # commit 1's episodes before commit 2's
+    assert set(seen) == set(_episode_ids(uri))  # what an offline read of the finished dataset gives
