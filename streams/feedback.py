@@ -111,14 +111,27 @@ def _sql_str(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
-def _from_data(con: Any, data: Path, episode_id: str) -> EpisodeRef | None:
-    root = Path(data) / "trajectories"
-    if not any(root.glob("**/*.parquet")):
-        return None
-    glob = _sql_str(str(root / "**" / "*.parquet"))
+def _from_data(con: Any, data: Path | str, episode_id: str) -> EpisodeRef | None:
+    if loc.is_remote(data):  # DuckDB has no httpfs here: the trajectory files as one hive-partitioned Arrow dataset
+        import pyarrow.dataset as pads
+
+        root = loc.join(str(data), "trajectories")
+        files = loc.list_files(root, suffix=".parquet")
+        if not files:
+            return None
+        fs, base = loc.filesystem(root)
+        con.register("_dataset_trajectories", pads.dataset(
+            [loc.filesystem(f)[1] for f in files], filesystem=fs, format="parquet",
+            partitioning=pads.partitioning(flavor="hive"), partition_base_dir=base))
+        source = "_dataset_trajectories"
+    else:
+        root = Path(data) / "trajectories"
+        if not any(root.glob("**/*.parquet")):
+            return None
+        source = f"read_parquet({_sql_str(str(root / '**' / '*.parquet'))}, hive_partitioning=true, union_by_name=true)"
     row = con.execute(
-        f"select domain, task_id, policy_version, num_steps from read_parquet({glob}, hive_partitioning=true, "
-        f"union_by_name=true) where episode_id = ? order by complete desc limit 1", [episode_id]).fetchone()
+        f"select domain, task_id, policy_version, num_steps from {source} "
+        f"where episode_id = ? order by complete desc limit 1", [episode_id]).fetchone()
     if row is None:
         return None
     return EpisodeRef(episode_id, domain=row[0], task_id=row[1], policy_version=int(row[2]), num_steps=int(row[3]))
@@ -152,11 +165,11 @@ def _from_archive(con: Any, archive: Path | str, episode_id: str) -> EpisodeRef 
                       num_steps=None if row[3] is None else int(row[3]))
 
 
-def find_episode(episode_id: str, *, data: Path | None = None, archive: Path | str | None = None
+def find_episode(episode_id: str, *, data: Path | str | None = None, archive: Path | str | None = None
                  ) -> EpisodeRef | None:
     """The episode's envelope from the datasets (``trajectories/`` of any version), else the event archive.
 
-    ``archive`` may be an ``s3://`` URI (:mod:`schemas.locations`); ``data`` is a local directory.
+    ``data`` and ``archive`` may be ``s3://`` URIs (:mod:`schemas.locations`) or local directories.
 
     Returns:
         The episode, or None when neither knows it.

@@ -943,8 +943,9 @@ def feedback(
     correction: Annotated[Optional[str], typer.Option(help="the action the policy should have taken at --step")] = None,
     source: Annotated[str, typer.Option(help="who gives it (annotator, reviewer, reward model)")] = "cli",
     comment: Annotated[str, typer.Option(help="free text")] = "",
-    data: Annotated[Optional[Path], typer.Option(help="dataset root to look the episode up in",
-                                                 parser=_local_location, metavar="PATH")] = None,
+    data: Annotated[Optional[Path], typer.Option(help="dataset root to look the episode up in: a directory or "
+                                                 "s3://BUCKET/PREFIX", parser=_dataset_location,
+                                                 metavar="PATH")] = None,
     archive: Annotated[Optional[Path], typer.Option(help="event archive to look the episode up in: a directory "
                                                     "or s3://BUCKET/PREFIX", parser=_dataset_location,
                                                     metavar="PATH")] = None,
@@ -957,7 +958,10 @@ def feedback(
     config: ConfigOpt = None,
 ) -> None:
     """Send a rating or a correction of an episode (or one of its steps) as a `feedback` event (docs/feedback.md)."""
-    _check_dir("--data", data, must_exist=True)
+    if isinstance(data, str):
+        _check_remote_data(data)
+    else:
+        _check_dir("--data", data, must_exist=True)
     if isinstance(archive, str):
         _check_remote_archive(archive)
     else:

@@ -286,3 +286,29 @@ def test_feedback_looks_the_episode_up_in_the_s3_archive(local_archive, s3_archi
                       bootstrap, env=env)
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert rc == 2 and len(lines) == 1 and "is in neither" in lines[0], err[-3000:]
+
+
+def test_feedback_looks_the_episode_up_in_an_s3_dataset(local_archive, events_topic, s3_env, tmp_path):
+    """`trajpipe feedback --data s3://...` finds the envelope (domain, task, policy version, steps) a local copy gives."""
+    bootstrap, topic, _ = events_topic
+    data_uri, local = s3_env.uri(f"fb-{uuid.uuid4().hex[:8]}", "datasets"), str(tmp_path / "datasets")
+    for out in (data_uri, local):
+        assert run(["--source", "archive", "--archive", local_archive, "--out", out])["episodes"] == EPISODES
+    episode = next(generate_episodes(EPISODES, seed=17))[0].episode_id
+    env = {"TRAJPIPE_TOPICS__EVENTS": topic, "TRAJPIPE_TOPICS__DEAD_LETTERS": topic + ".dlq",
+           "TRAJPIPE_TOPICS__CONTROL": topic + ".ctl", "TRAJPIPE_TOPICS__PARTITIONS": "3"}
+    sent = []
+    for data in (data_uri, local):
+        rc, out, err = _cli("feedback", "--episode", episode, "--step", "0", "--score", "0.5", "--data", data,
+                            "--bootstrap", bootstrap, "--spool-dir", str(tmp_path / "spool"), env=env)
+        assert rc == 0, err[-3000:]
+        sent.append(json.loads(out.strip().splitlines()[-1]))
+    assert sent[0] == sent[1] and sent[0]["episode_id"] == episode and sent[0]["sent"] == 1
+    rc, _, err = _cli("feedback", "--episode", "nope", "--score", "1", "--data", data_uri, "--bootstrap",
+                      bootstrap, env=env)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert rc == 2 and len(lines) == 1 and "is in neither" in lines[0], err[-3000:]
+    rc, _, err = _cli("feedback", "--episode", episode, "--score", "1", "--data", s3_env.uri("no-dataset-here"),
+                      "--bootstrap", bootstrap, env=env)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert rc == 2 and len(lines) == 1 and "--data" in lines[0] and "Traceback" not in err, err[-3000:]

@@ -66,7 +66,7 @@ CASES = {
 #: Flags whose readers take ``s3://`` (tests/storage/test_readers_s3.py): refused for another scheme.
 GS_ONLY = ("train --data", "train data.dir in --config", "query --data", "report --data", "loop run_dir in --config",
            # and the archive's writer and readers (tests/storage/test_archive_s3.py)
-           "archive --out", "pipeline run --archive", "query --archive", "feedback --archive")
+           "archive --out", "pipeline run --archive", "query --archive", "feedback --archive", "feedback --data")
 #: Run as real processes (the console script's path); the rest in-process through the same error handling.
 SUBPROCESS = ("archive --out", "train data.dir in --config")
 
