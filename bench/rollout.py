@@ -11,7 +11,7 @@ all four domains, events to a fresh events topic through ``EventProducer``.
   ``max_batch`` 64, ``VLLMPolicy``'s default), their requests continuously
   batched on one engine: the engine's batch is never wider than the episodes
   in flight, and 64 is the width a user fills the engine with (16 in flight
-  generated ~1,100-1,200 tokens/s here, 64 ~1,550-2,000, 128 no more than 64);
+  generated 1,107-1,216 tokens/s here, 64 1,325-2,075, 128 no more than 64);
   it runs as ``trajpipe rollout`` in a subprocess (vLLM's process-wide
   settings stay out of this one) and engine start-up is reported separately,
   not counted in episodes/s.
