@@ -71,13 +71,38 @@ def bench_producer(bootstrap: str, workdir: Path, *, n_episodes: int = 1500, rou
     bounds = [len(events) * c // chunks for c in range(chunks + 1)]
     ours: list[float] = []  # events/s per round
     raw: list[float] = []
-    ratios: list[float] = []  # ours / raw per chunk pair
+    ratios: list[float] = []  # ours / raw per slice pair
     gc.collect()
     gc.freeze()  # the benchmark's own event lists out of the collector's way (else either side pays for them)
-    for r in range(rounds):
-        raw_topic, our_topic = _topic(conn, "raw"), _topic(conn, "trajpipe")
-        raw_producer = KafkaProducer(**conn.client_kwargs(), acks="all", **_BATCHING)
-        with EventProducer(conn, our_topic, spool_dir=workdir / f"spool-{r}", **_BATCHING) as ep:
+    try:
+        for r in range(rounds):
+            raw_s, ours_s = _round(conn, workdir / f"spool-{r}", events, frames, bounds, round_index=r,
+                                   ratios=ratios)
+            ours.append(len(events) / ours_s)
+            raw.append(len(events) / raw_s)
+    finally:
+        gc.unfreeze()
+    log.info("producer bench rounds: ours %s, raw %s; slice ratios %s", [round(x) for x in ours],
+             [round(x) for x in raw], sorted(round(x, 3) for x in ratios))
+    med = statistics.median
+    return {
+        "producer_events_per_s": round(med(ours)),
+        "raw_kafka_python_events_per_s": round(med(raw)),
+        "producer_vs_raw_kafka_python": round(med(ratios), 3),
+    }
+
+
+def _round(conn: KafkaConnection, spool_dir: Path, events: list, frames: list, bounds: list[int], *,
+           round_index: int, ratios: list[float]) -> tuple[float, float]:
+    """One round on fresh topics: every slice by both sides in turn; appends each slice pair's ratio.
+
+    Returns:
+        The raw side's and trajpipe's summed seconds.
+    """
+    raw_topic, our_topic = _topic(conn, "raw"), _topic(conn, "trajpipe")
+    raw_producer = KafkaProducer(**conn.client_kwargs(), acks="all", **_BATCHING)
+    try:
+        with EventProducer(conn, our_topic, spool_dir=spool_dir, **_BATCHING) as ep:
             raw_producer.send(raw_topic, b"warm-up")
             raw_producer.flush()
             ep.emit(events[0])
@@ -98,28 +123,20 @@ def bench_producer(bootstrap: str, workdir: Path, *, n_episodes: int = 1500, rou
                 return time.perf_counter() - t0
 
             raw_s = ours_s = 0.0
-            for c in range(chunks):  # the sides take turns, which goes first alternating: load drift hits both
+            for c in range(len(bounds) - 1):  # the sides take turns, first side alternating: load drift hits both
                 lo, hi = bounds[c], bounds[c + 1]
-                if (r + c) % 2 == 0:
-                    raw_chunk = run_raw(lo, hi)
-                    ours_chunk = run_ours(lo, hi)
+                if (round_index + c) % 2 == 0:
+                    raw_slice = run_raw(lo, hi)
+                    ours_slice = run_ours(lo, hi)
                 else:
-                    ours_chunk = run_ours(lo, hi)
-                    raw_chunk = run_raw(lo, hi)
-                raw_s += raw_chunk
-                ours_s += ours_chunk
-                ratios.append(raw_chunk / ours_chunk)  # same events: the ratio of the rates
+                    ours_slice = run_ours(lo, hi)
+                    raw_slice = run_raw(lo, hi)
+                raw_s += raw_slice
+                ours_s += ours_slice
+                ratios.append(raw_slice / ours_slice)  # same events: the ratio of the rates
             stats = ep.flush()
+    finally:
         raw_producer.close()
-        assert stats.spooled == 0, "broker went away during the benchmark"
-        ours.append(len(events) / ours_s)
-        raw.append(len(events) / raw_s)
-    gc.unfreeze()
-    log.info("producer bench rounds: ours %s, raw %s; chunk ratios %s", [round(x) for x in ours],
-             [round(x) for x in raw], sorted(round(x, 3) for x in ratios))
-    med = statistics.median
-    return {
-        "producer_events_per_s": round(med(ours)),
-        "raw_kafka_python_events_per_s": round(med(raw)),
-        "producer_vs_raw_kafka_python": round(med(ratios), 3),
-    }
+    if stats.spooled:
+        raise RuntimeError(f"{stats.spooled} events were spooled: the broker went away during the benchmark")
+    return raw_s, ours_s
