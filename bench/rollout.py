@@ -5,10 +5,13 @@ all four domains, events to a fresh events topic through ``EventProducer``.
 
 * ``scripted``: 40 episodes, 4 in flight (environment + Kafka cost only).
 * ``hf`` and ``vllm``: the tiny random-init model (``trajpipe model init-tiny``),
-  16 episodes of at most 4 steps, 32 new tokens per action (random weights
-  rarely stop early: 2,019 of the 2,048 tokens a run could generate).
-  ``hf``: 4 in flight, generate calls serialised. ``vllm``: all 16 in flight
-  (``--concurrency 16``), their requests continuously batched on one engine;
+  episodes of at most 4 steps, 32 new tokens per action (random weights
+  rarely stop early). ``hf``: 16 episodes, 4 in flight, generate calls
+  serialised. ``vllm``: 64 episodes, all in flight (``--concurrency 64``, so
+  ``max_batch`` 64, ``VLLMPolicy``'s default), their requests continuously
+  batched on one engine: the engine's batch is never wider than the episodes
+  in flight, and 64 is the width a user fills the engine with (16 in flight
+  generated 1,107-1,216 tokens/s here, 64 1,325-2,075, 128 no more than 64);
   it runs as ``trajpipe rollout`` in a subprocess (vLLM's process-wide
   settings stay out of this one) and engine start-up is reported separately,
   not counted in episodes/s.
@@ -71,10 +74,11 @@ from streams.producer import EventProducer
 __all__ = ["RecordedRequests", "bench_rollout", "bench_vllm_against_generate"]
 
 DOMAINS = ["code", "math", "docqa", "tools"]
-MODEL_EPISODES = 16
+MODEL_EPISODES = 16  # hf
 MAX_STEPS = 4
 MAX_TOKENS = 32
-VLLM_CONCURRENCY = 16  # every episode in flight: the engine batch is as wide as the rollout allows
+VLLM_EPISODES = 64
+VLLM_CONCURRENCY = 64  # every episode in flight: the engine batch is as wide as the rollout allows
 MAX_MODEL_LEN = 2048  # VLLMPolicy's default, which `trajpipe rollout` uses
 
 
@@ -98,7 +102,7 @@ def _run_vllm(bootstrap: str, model: Path, workdir: Path) -> tuple[dict, str]:
            "TRAJPIPE_TOPICS__DEAD_LETTERS": f"{topic}.dl"}
     proc = subprocess.run(
         [sys.executable, "-m", "trajpipe", "rollout", "--bootstrap", bootstrap, "--policy", "vllm",
-         "--model", str(model), "--episodes", str(MODEL_EPISODES), "--concurrency", str(VLLM_CONCURRENCY),
+         "--model", str(model), "--episodes", str(VLLM_EPISODES), "--concurrency", str(VLLM_CONCURRENCY),
          "--max-steps", str(MAX_STEPS), "--max-tokens", str(MAX_TOKENS), "--domains", ",".join(DOMAINS),
          "--no-follow-policies", "--spool-dir", str(workdir / "spool-vllm")],
         cwd=Path(__file__).resolve().parents[1], env=env, check=False, capture_output=True, text=True, timeout=600,
