@@ -138,7 +138,7 @@ from pipelines.verify import VerifySteps
 from schemas.events import Event
 from schemas import locations as loc
 from schemas.locations import filesystem, is_remote
-from schemas.storage import StorageError, local_path
+from schemas.storage import StorageError, local_path, scheme_of
 from streams.config import KafkaConnection, Topics
 from streams.errors import KafkaUnavailable, check_kafka, kafka_access_errors
 from streams.consumer import StreamTimeoutError
