@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from pipelines.archive_source import list_archive_files
 from pipelines.polars_ref import run_polars
 from pipelines.recipes import load_recipe
-from pipelines.trajectory_job import run_batch
+from pipelines.batch_job import run_batch
 
 __all__ = ["bench_archive"]
 

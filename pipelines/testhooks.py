@@ -1,7 +1,7 @@
 """Test-only hooks into the batch job: simulated crashes at commit points, and in-memory input records.
 
 Nothing outside ``tests/`` (and benchmarks) sets these; the commands and the
-public functions (:func:`pipelines.trajectory_job.run_batch`,
+public functions (:func:`pipelines.batch_job.run_batch`,
 :func:`pipelines.commit.commit_staged`) carry no test parameter. A hook is
 armed for the duration of a ``with`` block, in the process that runs the
 driver (the commit protocol runs on the driver, so a crash fires whichever
@@ -87,8 +87,8 @@ def injected_records() -> list[RawRecords] | None:
 
 def run_batch_on_records(records: Sequence[RawRecords], *, out: str | Path, recipe: Recipe,
                          **kwargs: Any) -> dict[str, int]:
-    """:func:`pipelines.trajectory_job.run_batch` over in-memory ``records`` (the manifest's source is ``raw``)."""
-    from pipelines.trajectory_job import run_batch  # (the job imports this module)
+    """:func:`pipelines.batch_job.run_batch` over in-memory ``records`` (the manifest's source is ``raw``)."""
+    from pipelines.batch_job import run_batch  # (the job imports this module)
 
     with in_memory_records(records):
         return run_batch(out=out, recipe=recipe, source=RAW_SOURCE, **kwargs)
