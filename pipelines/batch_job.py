@@ -40,6 +40,7 @@ import os
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Tuple
 
@@ -50,6 +51,7 @@ from kafka.errors import KafkaError
 
 from pipelines import testhooks
 from pipelines.archive_source import FRAMES_TAG, ArchiveFile, ReadArchiveEpisodes, list_archive_files, split_episode_ids
+from pipelines.inputs import ArchiveInput, ArchivePlan, BatchInput, KafkaInput, KafkaPlan
 from pipelines.assemble import INCOMPLETE_TAG, PENDING_TAG
 from pipelines.commit import (
     CommitConflict,
@@ -119,7 +121,8 @@ class _ReadPendingFn(beam.DoFn):
         yield from frags
 
 
-def run_batch(*, out: str | Path, recipe: Recipe, **kwargs: Any) -> dict[str, int]:
+def run_batch(*, out: str | Path, recipe: Recipe, input: BatchInput | testhooks.InMemoryInput,
+              **kwargs: Any) -> dict[str, int]:
     """One micro-batch of ``recipe``'s version, holding the version's commit lock throughout.
 
     Two runs on one dataset version at once (two terminals, two hosts on a shared ``--out``)
@@ -139,18 +142,16 @@ def run_batch(*, out: str | Path, recipe: Recipe, **kwargs: Any) -> dict[str, in
     layout = DatasetLayout(out=str(out), version=recipe.version, recipe_hash=recipe.content_hash)
     with commit_lock(layout, waiting=lambda: _LOG.warning(
             "another run is committing %s in %s; waiting for its commit lock", recipe.version, out)):
-        return _run_batch_locked(out=out, recipe=recipe, **kwargs)
+        return _run_batch_locked(out=out, recipe=recipe, input=input, **kwargs)
 
 
 def _run_batch_locked(
     *,
     out: str | Path,
     recipe: Recipe,
-    source: str,
+    input: BatchInput | testhooks.InMemoryInput,
     options: PipelineOptions | None = None,
     runner_name: str = "FnApiRunner",
-    archive: str | Path | None = None,
-    kafka: dict[str, Any] | None = None,
     incomplete_after_s: float = 3600.0,
     shards: int = 1,
     group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
@@ -164,12 +165,12 @@ def _run_batch_locked(
     Args:
         out: dataset root.
         recipe: the reward recipe (names the dataset version).
-        source: ``archive`` or ``kafka`` (tests: ``raw``, records given in memory by
-            :func:`pipelines.testhooks.run_batch_on_records`).
+        input: what to read (:class:`~pipelines.inputs.ArchiveInput`, :class:`~pipelines.inputs.KafkaInput`;
+            tests: :class:`~pipelines.testhooks.InMemoryInput`, records given in memory by
+            :func:`pipelines.testhooks.run_batch_on_records`); the commit covers the part of it no earlier
+            commit does (:func:`_plan`), and its manifest's ``source`` is ``input.source``.
         options: Beam options (runner options pass through).
         runner_name: the runner (FnApiRunner is instantiated explicitly).
-        archive: archive directory (``archive`` source).
-        kafka: ``{"conn": KafkaConnection, "topic": str}`` (``kafka`` source).
         incomplete_after_s: idle event time before an unfinished episode is incomplete.
         shards: files per (table, domain) per commit.
         group_timeout_s: event-time seconds a GRPO group waits for missing members (pipelines/groups.py).
@@ -190,37 +191,11 @@ def _run_batch_locked(
     manifests = read_manifests(layout)
     last = manifests[-1] if manifests else None
     commit = len(manifests) + 1
+    plan = _plan(input, manifests)
     manifest = DatasetManifest(commit=commit, version=recipe.version, recipe_hash=recipe.content_hash,
-                               source=source, recipe=msgspec.to_builtins(recipe))
-    files: list[ArchiveFile] = []
-    ranges: list[Any] = []
-    raw_records: list[RawRecords] | None = None
-    if source == "archive":
-        covered = [c for m in manifests for c in m.archive_commits]
-        files = list_archive_files(archive, skip_commits=covered)
-        manifest.archive_dir = str(archive)
-        manifest.archive_commits = sorted({f.commit for f in files})
-        has_input = bool(files)
-    elif source == "kafka":
-        from streams.consumer import end_offsets, ranges_from
-
-        topic = kafka["topic"]
-        start = covered_offsets(manifests, topic)
-        with kafka_access_errors(kafka["conn"], what=f"read topic {topic!r}"):
-            end = end_offsets(kafka["conn"], topic)
-        ranges = ranges_from(topic=topic, start=start, end=end)
-        manifest.offsets = {topic: {p: [start.get(p, 0), e] for p, e in sorted(end.items())}}
-        has_input = bool(ranges)
-    elif source == testhooks.RAW_SOURCE:
-        raw_records = testhooks.injected_records()
-        if raw_records is None:
-            raise JobError(f"source {source!r} reads in-memory records, which only tests give "
-                           "(pipelines.testhooks.run_batch_on_records); use `archive` or `kafka`")
-        has_input = bool(raw_records)
-    else:
-        raise JobError(f"unknown source {source!r}")
+                               source=input.source, recipe=msgspec.to_builtins(recipe), **plan.manifest_fields())
     held = load_held_state(layout, manifests)
-    if not has_input:  # held groups wait for input to move the clock
+    if not plan.has_input:  # held groups wait for input to move the clock
         _LOG.info("no new input for %s (recovered: %s); nothing to commit", recipe.version, fixed)
         return {**dict.fromkeys(COUNT_KEYS, 0), "groups_held": len(held.groups.held),
                 "episodes_held": sum(g.stats.episodes for g in held.groups.held)}
@@ -230,7 +205,7 @@ def _run_batch_locked(
     staging = layout.staging(commit)
     if not layout.remote:
         os.makedirs(staging, exist_ok=True)
-    _LOG.info("commit %d of %s: %s input, pending=%s, %d groups held", commit, recipe.version, source,
+    _LOG.info("commit %d of %s: %s input, pending=%s, %d groups held", commit, recipe.version, input.source,
               pending_path, len(held.groups.held))
 
     # Held episodes were emitted too (as held rows): their events, seen again, are duplicates. Events of
@@ -238,26 +213,28 @@ def _run_batch_locked(
     # dataset (commits 1..n): the graph carries the reference, not the sets, so it does not grow with them.
     committed = CommittedView.of(layout, manifests, late_retention_s=late_retention_s)
     clock_s = last.clock_s if last else 0.0
-    future_after_s = processing_time_s(source, files=files, raw_records=raw_records) + max_future_s
+    files = plan.files if isinstance(plan, ArchivePlan) else ()
+    raw_records = plan.records if isinstance(plan, _RecordsPlan) else None
+    future_after_s = processing_time_s(input.source, files=files, raw_records=raw_records) + max_future_s
     runner = _make_runner(runner_name)
     p = beam.Pipeline(runner=runner, options=options or PipelineOptions([]))
     # Events cross the one shuffle as their raw frames (pipelines/frames.py), grouped in hash buckets of
     # episodes (a few elements per batch, not one per episode), decoded once, after it.
     # Archive files hold most episodes whole: those are assembled where the file is read, no shuffle.
     local = None
-    if source == "archive":
+    if isinstance(plan, ArchivePlan):
         pending_ids = _pending_ids(pending_path)
         split = split_episode_ids(files, also=pending_ids)
         buckets = shuffle_buckets(len(split) * 16)  # only episodes spread over files take the shuffle
         read = p | "ReadArchive" >> ReadArchiveEpisodes(
-            archive, files=files, split=split, committed=committed, buckets=buckets, future_after_s=future_after_s)
+            plan.input.location, files=files, split=split, committed=committed, buckets=buckets, future_after_s=future_after_s)
         local, frames = read, read[FRAMES_TAG]
     else:
-        if source == "kafka":
+        if isinstance(plan, KafkaPlan):
             from pipelines.sources_kafka import ReadKafkaRange
 
-            buckets = shuffle_buckets(sum(r.size for r in ranges))
-            batches = p | "ReadKafka" >> ReadKafkaRange(kafka["conn"], kafka["topic"], ranges)
+            buckets = shuffle_buckets(sum(r.size for r in plan.ranges))
+            batches = p | "ReadKafka" >> ReadKafkaRange(plan.input.conn, plan.input.topic, list(plan.ranges))
         else:
             buckets = shuffle_buckets(sum(len(r) for r in raw_records))
             batches = p | "RawRecords" >> beam.Create(list(raw_records), reshuffle=False)
@@ -324,6 +301,43 @@ def _run_batch_locked(
     check_accounted(counts)
     return counts
 
+
+
+@dataclass(frozen=True)
+class _RecordsPlan:
+    """In-memory Kafka records (tests: :func:`pipelines.testhooks.run_batch_on_records`), all of them."""
+
+    records: list[RawRecords]
+
+    @property
+    def has_input(self) -> bool:
+        return bool(self.records)
+
+    def manifest_fields(self) -> dict[str, Any]:
+        return {}
+
+
+def _plan(input: BatchInput | testhooks.InMemoryInput,
+          manifests: Sequence[DatasetManifest]) -> KafkaPlan | ArchivePlan | _RecordsPlan:
+    """The part of ``input`` the next commit covers: what no earlier commit (``manifests``) covers."""
+    if isinstance(input, ArchiveInput):
+        covered = [c for m in manifests for c in m.archive_commits]
+        return ArchivePlan(input=input, files=tuple(list_archive_files(input.location, skip_commits=covered)))
+    if isinstance(input, KafkaInput):
+        from streams.consumer import end_offsets, ranges_from
+
+        start = covered_offsets(manifests, input.topic)
+        with kafka_access_errors(input.conn, what=f"read topic {input.topic!r}"):
+            end = end_offsets(input.conn, input.topic)
+        return KafkaPlan(input=input, start=start, end=end,
+                         ranges=tuple(ranges_from(topic=input.topic, start=start, end=end)))
+    if isinstance(input, testhooks.InMemoryInput):
+        records = testhooks.injected_records()
+        if records is None:
+            raise JobError(f"source {input.source!r} reads in-memory records, which only tests give "
+                           "(pipelines.testhooks.run_batch_on_records); use `archive` or `kafka`")
+        return _RecordsPlan(records=records)
+    raise JobError(f"unknown input {input!r}; give a pipelines.inputs.ArchiveInput or KafkaInput")
 
 
 def processing_time_s(source: str, *, files: Sequence[ArchiveFile] = (),
@@ -398,7 +412,7 @@ def run(argv: Sequence[str] | None = None, *, conn: KafkaConnection | None = Non
 
 def run_prepared(job: PreparedJob) -> dict[str, int]:
     """Run one micro-batch of a prepared command line, or one every ``--loop`` seconds; return the counts."""
-    args, recipe, kafka = job.args, job.recipe, job.kafka
+    args, recipe, input = job.args, job.recipe, job.input
     from pipelines.runners import flink_cluster_master
 
     options = batch_options(args, job.beam_args)
@@ -409,8 +423,8 @@ def run_prepared(job: PreparedJob) -> dict[str, int]:
     while True:
         try:
             counts = run_batch(
-                out=args.out, recipe=recipe, source=args.source, options=options,
-                runner_name=args.runner or "FnApiRunner", archive=args.archive, kafka=kafka,
+                out=args.out, recipe=recipe, input=input, options=options,
+                runner_name=args.runner or "FnApiRunner",
                 incomplete_after_s=args.incomplete_after, shards=args.shards, group_timeout_s=args.group_timeout,
                 late_retention_s=args.late_retention, max_future_s=args.max_future_s,
                 use_domain_verifiers=not args.no_domain_verifiers, tokenizer=args.tokenizer,

@@ -15,13 +15,14 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import msgspec
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 
 from pipelines.feedback import CorrectionError, load_correction_tokenizer
 from pipelines.groups import DEFAULT_GROUP_TIMEOUT_S
+from pipelines.inputs import ArchiveInput, BatchInput, KafkaInput
 from pipelines.late import DEFAULT_LATE_RETENTION_S
 from pipelines.recipes import Recipe, load_recipe
 from schemas import locations as loc
@@ -184,8 +185,8 @@ class PreparedJob:
     beam_args: list[str]
     #: The reward recipe (``--recipe``).
     recipe: Recipe
-    #: ``{"conn": KafkaConnection, "topic": str}`` with ``--source kafka``, else None.
-    kafka: dict[str, Any] | None
+    #: What ``--source`` names: the topic (``--bootstrap``, ``--topic``) or the archive (``--archive``).
+    input: BatchInput
 
 
 def prepare(argv: Sequence[str] | None, *, conn: KafkaConnection | None = None,
@@ -213,13 +214,13 @@ def prepare(argv: Sequence[str] | None, *, conn: KafkaConnection | None = None,
         except CorrectionError as err:
             raise JobError(str(err)) from err
     _LOG.info("trajectory job: %s; recipe %s = %s", vars(args), recipe.version, msgspec.to_builtins(recipe))
-    kafka = None
+    input: BatchInput = ArchiveInput(args.archive)
     if args.source == "kafka":
         base = conn or KafkaConnection(client_id="trajpipe-pipeline")
-        kafka = {"conn": msgspec.structs.replace(base, bootstrap_servers=args.bootstrap),
-                 "topic": args.topic or default_topic}
-        check_kafka(kafka["conn"])  # down, or refusing these credentials: one clear error before Beam starts
-    return PreparedJob(args=args, beam_args=beam_args, recipe=recipe, kafka=kafka)
+        input = KafkaInput(conn=msgspec.structs.replace(base, bootstrap_servers=args.bootstrap),
+                           topic=args.topic or default_topic)
+        check_kafka(input.conn)  # down, or refusing these credentials: one clear error before Beam starts
+    return PreparedJob(args=args, beam_args=beam_args, recipe=recipe, input=input)
 
 
 def batch_options(args: argparse.Namespace, beam_args: list[str]) -> PipelineOptions:

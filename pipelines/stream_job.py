@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import List, Tuple
 
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
@@ -42,6 +42,7 @@ from pipelines.decode import DecodeAndValidate
 from pipelines.evaluations import EVAL_TAG, SplitEvaluations
 from pipelines.feedback import FEEDBACK_TAG, SplitFeedback
 from pipelines.groups import DEFAULT_GROUP_TIMEOUT_S
+from pipelines.inputs import KafkaInput
 from pipelines.job_args import DEFAULT_MAX_FUTURE_S, PreparedJob, prepare, stream_options
 from pipelines.job_counts import check_accounted, counts_from_metrics
 from pipelines.late import DEFAULT_LATE_RETENTION_S, LATE_TAG
@@ -105,7 +106,7 @@ def run_stream(
     *,
     out: str | Path,
     recipe: Recipe,
-    kafka: dict[str, Any],
+    input: KafkaInput,
     options: PipelineOptions,
     window_s: float = 10.0,
     allowed_lateness_s: float = 3600.0,
@@ -137,7 +138,7 @@ def run_stream(
     Args:
         out: dataset root.
         recipe: the reward recipe.
-        kafka: ``{"conn": KafkaConnection, "topic": str}``.
+        input: the topic to follow (its commits' manifests have ``source`` ``kafka``).
         options: Beam options with ``streaming`` set (:func:`pipelines.runners.runner_options`); runner
             splits are turned off in them (:func:`pipelines.runners.disable_runner_splits`).
         window_s: event-time window per commit, seconds.
@@ -181,7 +182,7 @@ def run_stream(
     # On an object store this job's commits are staged as `<n>-<job><pane><attempt>`: another run's commits made
     # meanwhile (a pane that lost the create-only manifest to one was planned again on top of it) are not ours.
     job = uuid.uuid4().hex[:8] if layout.remote else ""
-    topic = kafka["topic"]
+    topic = input.topic
     start = covered_offsets(manifests, topic)
     # The workers read the committed episodes and the late state from the dataset (pipelines/committed.py):
     # the graph carries the reference, not the sets. The driver reads them too (once, cached) to drop
@@ -190,7 +191,7 @@ def run_stream(
     state = committed.load()
     pending = _load_pending(latest_pending_file(layout, manifests), state.emitted | state.incomplete)
     if stop_at_end:
-        stop_offsets = end_offsets(kafka["conn"], topic)
+        stop_offsets = end_offsets(input.conn, topic)
     started = time.time()
     # A timer due after the stop (minus the idle lag) can only fire because the stream ended. Stopping at the
     # end offsets, the watermark follows the records (all written before the start), never the idle clock.
@@ -202,7 +203,7 @@ def run_stream(
 
     p = beam.Pipeline(options=options)
     batches = p | "ReadKafkaStream" >> ReadKafkaStream(
-        kafka["conn"], topic, start_offsets=start, idle_watermark_lag_s=idle_watermark_lag_s,
+        input.conn, topic, start_offsets=start, idle_watermark_lag_s=idle_watermark_lag_s,
         stop_after_s=stop_after_s, stop_offsets=stop_offsets, max_future_s=max_future_s,
         stop_file=str(stop_file) if stop_file else None)
     decoded = batches | "DecodeAndValidate" >> DecodeAndValidate(max_future_s=max_future_s)
@@ -280,7 +281,7 @@ def run_prepared(job: PreparedJob) -> dict[str, int]:
     args = job.args
     options = stream_options(args, job.beam_args)
     return run_stream(
-        out=args.out, recipe=job.recipe, kafka=job.kafka, options=options,
+        out=args.out, recipe=job.recipe, input=job.input, options=options,
         window_s=args.window_s, allowed_lateness_s=args.allowed_lateness_s,
         incomplete_after_s=args.incomplete_after, idle_watermark_lag_s=args.idle_watermark_lag_s,
         stop_after_s=args.stop_after_s, stop_at_end=args.stop_at_end, stop_file=args.stop_file,
