@@ -51,7 +51,6 @@ from kafka.errors import KafkaError
 
 from pipelines import testhooks
 from pipelines.archive_source import FRAMES_TAG, ArchiveFile, ReadArchiveEpisodes, list_archive_files, split_episode_ids
-from pipelines.inputs import ArchiveInput, ArchivePlan, BatchInput, KafkaInput, KafkaPlan
 from pipelines.assemble import INCOMPLETE_TAG, PENDING_TAG
 from pipelines.commit import (
     CommitConflict,
@@ -70,8 +69,16 @@ from pipelines.committed import CommittedView
 from pipelines.counts import COUNTS_TAG, StageCounts, read_staged_counts
 from pipelines.evaluations import EVAL_TAG, SplitEvaluations
 from pipelines.feedback import FEEDBACK_TAG, WriteFeedback, load_correction_tokenizer, stage_corrections
-from pipelines.frames import CLOCK_TAG, UNDECIDED_TAG, AssembleEpisodesFromFrames, EventsToFrames, KeyFrames, shuffle_buckets
+from pipelines.frames import (
+    CLOCK_TAG,
+    UNDECIDED_TAG,
+    AssembleEpisodesFromFrames,
+    EventsToFrames,
+    KeyFrames,
+    shuffle_buckets,
+)
 from pipelines.groups import DEFAULT_GROUP_TIMEOUT_S
+from pipelines.inputs import ArchiveInput, ArchivePlan, BatchInput, KafkaInput, KafkaPlan
 from pipelines.job_args import (
     DEFAULT_MAX_FUTURE_S,
     JobError,
@@ -227,7 +234,8 @@ def _run_batch_locked(
         split = split_episode_ids(files, also=pending_ids)
         buckets = shuffle_buckets(len(split) * 16)  # only episodes spread over files take the shuffle
         read = p | "ReadArchive" >> ReadArchiveEpisodes(
-            plan.input.location, files=files, split=split, committed=committed, buckets=buckets, future_after_s=future_after_s)
+            plan.input.location, files=files, split=split, committed=committed, buckets=buckets,
+            future_after_s=future_after_s)
         local, frames = read, read[FRAMES_TAG]
     else:
         if isinstance(plan, KafkaPlan):

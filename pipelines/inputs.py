@@ -60,7 +60,8 @@ BatchInput = KafkaInput | ArchiveInput
 
 @dataclass(frozen=True)
 class KafkaPlan:
-    """The offsets of ``input.topic`` one batch commit covers: from the last commit's end offsets to the end at start."""
+    """The offsets of ``input.topic`` one batch commit covers: from the last commit's end offsets to the end at
+    job start."""
 
     input: KafkaInput
     #: partition -> first offset not covered yet (absent: 0).
