@@ -26,6 +26,7 @@ from pathlib import Path
 from kafka import KafkaProducer
 
 from pipelines.bench import bench_archive
+from pipelines.inputs import KafkaInput
 from pipelines.recipes import load_recipe
 from pipelines.trajectory_job import run_batch
 from schemas.codec import encode_event
@@ -70,7 +71,7 @@ def bench_pipeline(bootstrap: str, workdir: Path, *, n_episodes: int = 10_000, r
             raise RuntimeError(f"PartitionReader read {fetched} of {n_events} events")
         out = workdir / f"from-kafka-{i}"
         t0 = time.perf_counter()
-        counts = run_batch(out=out, recipe=load_recipe("outcome"), source="kafka", kafka={"conn": conn, "topic": topic})
+        counts = run_batch(out=out, recipe=load_recipe("outcome"), input=KafkaInput(conn=conn, topic=topic))
         job_s.append(time.perf_counter() - t0)
         if counts["events_in"] != n_events:
             raise RuntimeError(f"the job read {counts['events_in']} of {n_events} events")

@@ -27,6 +27,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from pipelines.inputs import KafkaInput
 from pipelines.recipes import load_recipe
 from pipelines.trajectory_job import run_batch
 from rollout.model import init_tiny_model
@@ -61,7 +62,7 @@ def bench_round_trip(bootstrap: str, workdir: Path) -> dict:
         topic = f"bench.roundtrip.{policy}.{uuid.uuid4().hex[:8]}"
         counts = _rollout(bootstrap, topic, policy, tiny, workdir / f"spool-{policy}")
         data = workdir / f"datasets-{policy}"
-        job = run_batch(out=data, recipe=load_recipe("outcome"), source="kafka", kafka={"conn": conn, "topic": topic})
+        job = run_batch(out=data, recipe=load_recipe("outcome"), input=KafkaInput(conn=conn, topic=topic))
         audit = audit_behaviour_logprobs(data, tiny, policy_version=0, seq_len=2048)
         if audit.tokens == 0 or audit.inexact_windows or job["episodes"] != counts["episodes"]:
             raise RuntimeError(f"{policy} round trip incomplete: rollout {counts}, job {job}, audit {audit}")

@@ -42,6 +42,7 @@ from pathlib import Path
 import msgspec
 from kafka import KafkaProducer
 
+from pipelines.inputs import KafkaInput
 from pipelines.recipes import load_recipe
 from pipelines.trajectory_job import run_batch
 from schemas.codec import encode_event
@@ -116,7 +117,7 @@ def bench_scale(bootstrap: str, workdir: Path, *, max_events: int | None = None)
             in_topic = sum(end_offsets(conn, topic).values())
             out = workdir / f"out-{key}"
             t0, cpu0 = time.perf_counter(), _cpu_s()
-            counts = run_batch(out=out, recipe=recipe, source="kafka", kafka={"conn": conn, "topic": topic})
+            counts = run_batch(out=out, recipe=recipe, input=KafkaInput(conn=conn, topic=topic))
             wall_s, cpu_s = time.perf_counter() - t0, _cpu_s() - cpu0
             shutil.rmtree(out)
             reconcile(counts, expected_in=in_topic)

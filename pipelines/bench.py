@@ -21,9 +21,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from pipelines.archive_source import list_archive_files
+from pipelines.inputs import ArchiveInput
 from pipelines.polars_ref import run_polars
 from pipelines.recipes import load_recipe
-from pipelines.trajectory_job import run_batch
+from pipelines.batch_job import run_batch
 
 __all__ = ["bench_archive"]
 
@@ -44,7 +45,7 @@ def bench_archive(archive_dir: str | Path, out_dir: str | Path, *, recipe: str =
     beam_s, polars_s = [], []
     for i in range(repeats):
         t0 = time.perf_counter()
-        counts = run_batch(out=out / f"beam-{i}", recipe=rec, source="archive", archive=archive_dir,
+        counts = run_batch(out=out / f"beam-{i}", recipe=rec, input=ArchiveInput(archive_dir),
                            use_domain_verifiers=False)
         beam_s.append(time.perf_counter() - t0)
         if counts["events_in"] != events:

@@ -19,7 +19,7 @@ discarding fired panes) for ``allowed_lateness_s``, so a batch the runner
 delivers after its window fired lands in a later commit instead of being
 dropped. Elements later than that are dropped by the runner: the job counts
 their events as ``events_uncommitted`` (outcomes the assembler counted that no
-commit holds, :func:`pipelines.trajectory_job.run_stream`); keep
+commit holds, :func:`pipelines.stream_job.run_stream`); keep
 ``allowed_lateness_s`` well above the source's read lag.
 
 Normalization and GRPO groups are done here, not with side inputs: the

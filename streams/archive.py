@@ -51,6 +51,7 @@ from schemas.codec import EventDecodeError, decode_event
 from schemas.delta import META_PREFIX, add_files, txn_version
 from schemas.events import SCHEMA_VERSION, Event
 from schemas.storage import atomic_write, fsync_dir
+from streams import testhooks
 from streams.config import KafkaConnection
 from streams.consumer import OffsetRange, StreamTimeoutError, end_offsets
 from streams.errors import KafkaUnavailable, kafka_access_errors
@@ -350,7 +351,6 @@ def write_commit(
     positions: Sequence[tuple[int, int]],
     offsets: dict[int, PartitionRange],
     dead_letters: int = 0,
-    crash_before_manifest: bool = False,
     run: str | None = None,
 ) -> CommitManifest:
     """Write one commit: data files (temporary names) → manifest (commit point) → rename → Delta transaction.
@@ -364,7 +364,6 @@ def write_commit(
         positions: ``(partition, offset)`` of each event.
         offsets: the consumed range per partition.
         dead_letters: how many messages of the range went to dead letters.
-        crash_before_manifest: test hook: stop after the data files, as a crash would.
         run: (object stores) this writer's id in the temporary file names and the manifest; default: a new one.
 
     Raises:
@@ -395,7 +394,7 @@ def write_commit(
         files.append(rel)
         rows.append(table.num_rows)
         tmps.append(tmp)
-    if crash_before_manifest:
+    if testhooks.crashes_before_manifest(commit):  # tests only (streams/testhooks.py)
         raise ArchiveError(f"simulated crash before manifest of commit {commit}")
     manifest = CommitManifest(
         commit=commit, topic=topic, offsets=offsets, files=files, events=len(events), dead_letters=dead_letters
@@ -466,7 +465,6 @@ class Archiver:
         self.buckets = int(self._meta["buckets"])
         self.commit_every = commit_every
         self._progress = progress
-        self.crash_before_manifest_at: int | None = None  # test hook: commit number to "crash" at
 
     def committed_offsets(self) -> dict[int, int]:
         """Next offset to read per partition, from the manifests."""
@@ -543,7 +541,7 @@ class Archiver:
             write_commit(
                 self.out, commit=n, topic=self.topic, buckets=self.buckets, events=events, positions=positions,
                 offsets={p: PartitionRange(s, e) for p, (s, e) in covered.items()}, dead_letters=dead,
-                crash_before_manifest=self.crash_before_manifest_at == n, run=self._run,
+                run=self._run,
             )
             n += 1
             counts.events += len(events)

@@ -47,7 +47,7 @@ USER_ERRORS: frozenset[tuple[str, str]] = frozenset({
     ("trainer.config", "ConfigError"),  # training recipe and flags
     ("trainer.data", "DataError"),  # a dataset that cannot be trained on
     ("pipelines.recipes", "RecipeError"),
-    ("pipelines.trajectory_job", "JobError"),
+    ("pipelines.job_args", "JobError"),  # the trajectory jobs' options (pipelines/trajectory_job.py)
     ("pipelines.commit", "CommitConflict"),  # an object-store run that lost the race for its commit: rerun
     ("pipelines.verify", "VerifiersUnavailable"),
     ("pipelines.runners", "RunnerNotInstalledError"),

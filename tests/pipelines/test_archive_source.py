@@ -4,6 +4,7 @@ import apache_beam as beam
 from apache_beam.testing.util import assert_that, equal_to
 
 from pipelines.archive_source import ReadArchiveEpisodes, list_archive_files
+from pipelines.inputs import ArchiveInput
 from tests.pipelines.helpers import episodes, flat, make_pipeline, write_archive
 
 
@@ -98,7 +99,7 @@ def test_an_archive_written_by_schema_v1_still_builds_datasets(tmp_path):
     events = [e for f in sorted(archive.glob("bucket=*/*.parquet")) for e in table_to_events(pq.read_table(f))]
     assert len(events) == 90 and {e.schema_version for e in events} == {1}
     assert {e.group_size for e in events if e.event_type == "episode_started"} == {0}  # defaults fill the gaps
-    counts = run_batch(out=tmp_path / "data", recipe=load_recipe("outcome"), source="archive", archive=archive)
+    counts = run_batch(out=tmp_path / "data", recipe=load_recipe("outcome"), input=ArchiveInput(archive))
     assert counts["episodes"] == 8 and counts["dead_letters"] == 0 and counts["events_used"] == 90
     rows = duckdb.sql(f"""select termination, trainable, group_size, policy_lineage, count(*)
                           from read_parquet('{tmp_path}/data/trajectories/**/*.parquet', hive_partitioning=true)

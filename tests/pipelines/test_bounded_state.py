@@ -15,6 +15,7 @@ from __future__ import annotations
 import apache_beam as beam
 import pytest
 
+from pipelines.inputs import KafkaInput
 from pipelines.recipes import load_recipe
 from pipelines.trajectory_job import run_batch
 from schemas.codec import encode_event
@@ -62,8 +63,8 @@ def test_job_graph_does_not_grow_with_history(kafka_broker, topic_name, tmp_path
     ensure_topics(conn, Topics(events=topic_name, dead_letters=topic_name + ".dl", control=topic_name + ".ctl",
                                partitions=2))
     sizes = _graph_sizes(monkeypatch)
-    kw = dict(out=tmp_path / "out", recipe=load_recipe("outcome"), source="kafka",
-              kafka={"conn": conn, "topic": topic_name}, incomplete_after_s=0.0)
+    kw = dict(out=tmp_path / "out", recipe=load_recipe("outcome"),
+              input=KafkaInput(conn=conn, topic=topic_name), incomplete_after_s=0.0)
     all_eps = episodes(BATCHES * (COMPLETE_PER_BATCH + UNFINISHED_PER_BATCH), seed=14)
     per = COMPLETE_PER_BATCH + UNFINISHED_PER_BATCH
     totals = {"episodes": 0, "incomplete_episodes": 0, "duplicates": 0}

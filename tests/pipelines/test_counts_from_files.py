@@ -23,6 +23,7 @@ import pytest
 from apache_beam.runners.portability.fn_api_runner import fn_runner
 
 from pipelines.commit import DatasetManifest
+from pipelines.inputs import KafkaInput
 from pipelines.recipes import load_recipe
 from pipelines.trajectory_job import COUNT_KEYS, run_batch
 from streams.config import KafkaConnection
@@ -70,7 +71,7 @@ def test_counts_are_exact_without_runner_metrics(kafka_broker, topic_name, tmp_p
 
     monkeypatch.setattr(fn_runner.RunnerResult, "metrics", lambda self: _NoMetrics())
     out = tmp_path / "out"
-    kw = dict(out=out, recipe=load_recipe("outcome"), source="kafka", kafka={"conn": conn, "topic": topic_name})
+    kw = dict(out=out, recipe=load_recipe("outcome"), input=KafkaInput(conn=conn, topic=topic_name))
     counts = run_batch(**kw)
 
     version = load_recipe("outcome").version

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from pipelines.feedback import feedback_outcome, step_feedback_terms
+from pipelines.inputs import ArchiveInput
 from pipelines.recipes import RecipeError, load_recipe, step_rewards
 from pipelines.rewards import annotate_rewards
 from pipelines.testhooks import run_batch_on_records
@@ -130,7 +131,7 @@ def test_feedback_table_exactly_once_and_rewards(source, tmp_path):
     out = tmp_path / "out"
     if source == "archive":
         archive = write_archive(tmp_path / "archive", [batch1, batch2])
-        kw = dict(source="archive", archive=archive)
+        kw = dict(input=ArchiveInput(archive))
         c1 = run_batch(out=out, recipe=OVERRIDE, **kw)  # reads both archive commits at once
         assert c1["feedback_events"] == 3 and c1["duplicates"] == 2 and _reconciles(c1)
         runs = [c1]

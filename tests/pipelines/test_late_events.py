@@ -16,6 +16,7 @@ import pyarrow.feather as feather
 import pytest
 
 from pipelines.commit import CommitError, DatasetLayout, read_manifests
+from pipelines.inputs import ArchiveInput
 from pipelines.query import register_views
 from pipelines.recipes import load_recipe
 from pipelines import testhooks
@@ -156,7 +157,7 @@ def test_crash_in_the_completing_commit_keeps_the_late_state(tmp_path, crash_at)
     [kept_file] = read_manifests(_layout(out))[-1].late_state
     write_archive(root, [flat(eps[1:]) + target[:-3], target[-3:]])
     with testhooks.crash_at(crash_at), pytest.raises(CommitError, match="simulated crash"):
-        run_batch(out=out, recipe=RECIPE, source="archive", archive=root, incomplete_after_s=2)
+        run_batch(out=out, recipe=RECIPE, input=ArchiveInput(root), incomplete_after_s=2)
     assert (out / kept_file).exists()
     c = _job(root, out)  # recovers (rolls commit 2 back, or forward), then runs what is not committed yet
     assert c["episodes_completed_late"] == (1 if crash_at == "before_manifest" else 0)

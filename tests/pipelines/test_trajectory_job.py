@@ -11,6 +11,7 @@ from deltalake import DeltaTable
 
 from pipelines.commit import CommitError
 from pipelines.delta_tables import app_id, delta_batches, table_versions_at
+from pipelines.inputs import ArchiveInput
 from pipelines.polars_ref import compute_polars
 from pipelines.recipes import Recipe, load_recipe
 from pipelines import testhooks
@@ -137,7 +138,7 @@ def test_crash_mid_commit_then_rerun_gives_the_same_dataset(archive, first_run, 
     clean, _ = first_run
     out = tmp_path / "crashed"
     with testhooks.crash_at(crash_at), pytest.raises(CommitError, match="simulated crash"):
-        run_batch(out=out, recipe=load_recipe("outcome"), source="archive", archive=root)
+        run_batch(out=out, recipe=load_recipe("outcome"), input=ArchiveInput(root))
     run(["--source", "archive", "--archive", str(root), "--out", str(out)])
     ours = {k: v for k, v in _files(out).items() if "outcome-" in k}
     theirs = {k: v for k, v in _files(clean).items() if "outcome-" in k}
@@ -214,7 +215,7 @@ def _varied_archive(root: Path) -> tuple[Path, list]:
 def test_polars_reference_agrees(recipe, tmp_path):
     root, eps = _varied_archive(tmp_path / "archive")
     out = tmp_path / "out"
-    c = run_batch(out=out, recipe=recipe, source="archive", archive=root, use_domain_verifiers=False)
+    c = run_batch(out=out, recipe=recipe, input=ArchiveInput(root), use_domain_verifiers=False)
     assert (c["groups_held"], c["episodes_held"], c["episodes_excluded"], c["pending_episodes"]) == (2, 6, 2, 1)
     from pipelines.archive_source import list_archive_files
 
@@ -382,7 +383,7 @@ def test_a_table_delta_refuses_is_one_error_line_and_the_commit_catches_up_later
 def test_test_hooks_are_armed_only_inside_their_block(tmp_path):
     # in-memory records are a test hook: without it, the `raw` source is refused with one clear line
     with pytest.raises(JobError, match="in-memory records, which only tests give"):
-        run_batch(out=tmp_path / "out", recipe=load_recipe("outcome"), source=testhooks.RAW_SOURCE)
+        run_batch(out=tmp_path / "out", recipe=load_recipe("outcome"), input=testhooks.InMemoryInput())
     assert not (tmp_path / "out" / "_manifests").exists()
     with pytest.raises(ValueError, match="unknown crash point 'after_delta'"):
         with testhooks.crash_at("after_delta"):

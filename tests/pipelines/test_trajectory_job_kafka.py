@@ -3,6 +3,7 @@
 import pytest
 from kafka.admin import KafkaAdminClient, NewTopic
 
+from pipelines.inputs import KafkaInput
 from pipelines.recipes import load_recipe
 from pipelines.trajectory_job import run_batch
 from schemas.codec import encode_event
@@ -23,8 +24,8 @@ def test_kafka_micro_batches(tansu_broker, topic_name, tmp_path):
     eps = episodes(12, seed=31)
     msgs = [(e.episode_id.encode(), encode_event(e)) for e in flat(eps[:8])] + [(b"ep-x", b"junk")]
     produce_messages(tansu_broker.bootstrap, topic_name, msgs)
-    kw = dict(out=tmp_path / "out", recipe=load_recipe("outcome"), source="kafka",
-              kafka={"conn": conn, "topic": topic_name})
+    kw = dict(out=tmp_path / "out", recipe=load_recipe("outcome"),
+              input=KafkaInput(conn=conn, topic=topic_name))
     c1 = run_batch(**kw)
     assert (c1["episodes"], c1["dead_letters"], c1["events_in"]) == (8, 1, len(msgs))
     assert set(run_batch(**kw).values()) == {0}  # nothing new on the topic

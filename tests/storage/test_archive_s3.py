@@ -15,6 +15,7 @@ transaction per commit. These tests hold it, and its readers, to the same archiv
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -34,6 +35,7 @@ from pipelines.trajectory_job import run
 from schemas import locations as loc
 from schemas.codec import encode_event
 from schemas.storage import delta_storage_options
+from streams import testhooks
 from streams.archive import ARCHIVE_DELTA_APP, ArchiveError, Archiver, read_commits
 from streams.config import KafkaConnection
 from streams.synth import generate_episodes
@@ -133,9 +135,9 @@ def test_crash_at_a_commit_point_then_rerun_gives_the_same_archive(events_topic,
                                                                    monkeypatch, crash_at):
     uri = s3_env.uri(f"crash-{crash_at}-{uuid.uuid4().hex[:8]}", "archive")
     arch = _archiver(uri, events_topic)
-    with monkeypatch.context() as m:
+    with monkeypatch.context() as m, contextlib.ExitStack() as hooks:
         if crash_at == "before_manifest":
-            arch.crash_before_manifest_at = 2
+            hooks.enter_context(testhooks.crash_before_manifest(2))
         elif crash_at == "after_manifest":  # commit 2's manifest written, one of its files moved
             moves = []
             real_move = loc.move

@@ -31,6 +31,7 @@ from kafka.admin import KafkaAdminClient, NewTopic
 from pipelines import testhooks
 from pipelines.commit import CommitError
 from pipelines.delta_tables import app_id, delta_batches
+from pipelines.inputs import KafkaInput
 from pipelines.recipes import load_recipe
 from pipelines.trajectory_job import run, run_batch
 from schemas import locations as loc
@@ -167,9 +168,9 @@ def test_crash_at_a_commit_point_then_rerun_gives_the_same_dataset(events_topic,
     from streams.config import KafkaConnection
 
     uri = s3_env.uri(f"crash-{crash_at}-{uuid.uuid4().hex[:8]}", "datasets")
-    kafka = {"conn": KafkaConnection(bootstrap_servers=bootstrap, client_id="trajpipe-test"), "topic": topic}
+    kafka = KafkaInput(conn=KafkaConnection(bootstrap_servers=bootstrap, client_id="trajpipe-test"), topic=topic)
     with testhooks.crash_at(crash_at), pytest.raises(CommitError, match="simulated crash"):
-        run_batch(out=uri, recipe=load_recipe("outcome"), source="kafka", kafka=kafka)
+        run_batch(out=uri, recipe=load_recipe("outcome"), input=kafka)
     manifests = loc.list_files(loc.join(uri, "_manifests"), suffix=".json")
     assert len(manifests) == (0 if crash_at == "before_manifest" else 1)
     again = run(_args(events_topic, uri))

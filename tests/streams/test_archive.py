@@ -14,6 +14,7 @@ import pytest
 from kafka import KafkaProducer
 
 from schemas.codec import encode_event
+from streams import testhooks
 from streams.archive import ArchiveError, Archiver, committed_files, read_commits, recover_archive
 from streams.config import KafkaConnection, Topics
 from streams.synth import generate_episodes
@@ -121,8 +122,7 @@ def test_episode_locality_and_order(kafka_broker, topic_name, tmp_path):
 def test_crash_between_data_and_manifest_then_rerun(kafka_broker, topic_name, tmp_path):
     n = _produce(kafka_broker.bootstrap, topic_name, 50, seed=9)
     arch = _archiver(tmp_path, kafka_broker.bootstrap, topic_name, [], commit_every=200)
-    arch.crash_before_manifest_at = 2
-    with pytest.raises(ArchiveError, match="simulated crash"):
+    with testhooks.crash_before_manifest(2), pytest.raises(ArchiveError, match="simulated crash"):
         arch.run()
     # commit 1 is in place; commit 2's files exist only under temporary names
     assert len(read_commits(tmp_path / "archive")) == 1

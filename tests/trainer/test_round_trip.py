@@ -14,6 +14,7 @@ import json
 import duckdb
 import pytest
 
+from pipelines.inputs import KafkaInput
 from pipelines.recipes import load_recipe
 from pipelines.trajectory_job import run_batch
 from rollout.model import init_tiny_model
@@ -44,8 +45,7 @@ def test_hf_rollouts_round_trip_to_the_trainer_with_their_behaviour_logprobs(kaf
     assert counts.episodes == 8 and counts.groups == 4 and counts.errors == 0
 
     data = tmp_path / "datasets"
-    job = run_batch(out=data, recipe=load_recipe("outcome"), source="kafka",
-                    kafka={"conn": conn, "topic": topics.events})
+    job = run_batch(out=data, recipe=load_recipe("outcome"), input=KafkaInput(conn=conn, topic=topics.events))
     assert job["episodes"] == 8 and job["dead_letters"] == 0 and job["groups_released"] == 4
     rows = duckdb.sql(f"""select domain, count(distinct episode_id), min(num_steps), sum(len(action_token_ids)),
                                  count(distinct task_group)
@@ -105,7 +105,7 @@ def test_vllm_rollouts_round_trip_to_the_trainer_with_their_behaviour_logprobs(k
     assert counts["episodes"] == 8 and counts["groups"] == 2 and counts["errors"] == 0
     conn = KafkaConnection(bootstrap_servers=kafka_broker.bootstrap)
     data = tmp_path / "datasets"
-    job = run_batch(out=data, recipe=load_recipe("outcome"), source="kafka", kafka={"conn": conn, "topic": topic_name})
+    job = run_batch(out=data, recipe=load_recipe("outcome"), input=KafkaInput(conn=conn, topic=topic_name))
     assert job["episodes"] == 8 and job["groups_released"] == 2
     audit = audit_behaviour_logprobs(data, tiny, policy_version=0, seq_len=2048)
     assert audit.episodes == 8 and audit.tokens > 0 and audit.inexact_windows == 0 and audit.outside_support == 0
