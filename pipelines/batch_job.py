@@ -1,14 +1,10 @@
 """The batch trajectory job: one dataset commit of the input no earlier commit covers.
 
-Reads the events of the Kafka ``events`` topic (a bounded offset range: from the
-last commit's end offsets to the end offsets at job start) or of an event
-archive (the archive commits no earlier dataset commit covers), plus the
-pending events of unfinished episodes carried over from the last commit, and
-writes one dataset commit (docs/pipelines.md)::
-
-    decode/read → dedupe → assemble episodes → verify steps → process rewards
-    → clip trajectories → normalize by domain → <out>/steps, <out>/trajectories
-                       └→ evaluation episodes (purpose eval) → <out>/evaluations
+Its input: a bounded Kafka offset range (from the last commit's end offsets to the end
+offsets at job start) or the archive commits no earlier dataset commit covers
+(:mod:`pipelines.inputs`), plus the pending events carried over from the last commit.
+The stages, from decoding to the dataset tables, are drawn in :mod:`pipelines.trajectory_job`
+and docs/pipelines.md.
 
 Run locally (FnApiRunner, the default)::
 

@@ -7,7 +7,7 @@ import time
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-__all__ = ["consume_messages", "free_port", "produce_messages"]
+__all__ = ["consume_messages", "create_topics", "free_port", "produce_messages"]
 
 
 def topic_env(topic: str, spool, *, partitions: int = 2) -> dict[str, str]:
@@ -18,6 +18,18 @@ def topic_env(topic: str, spool, *, partitions: int = 2) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "TRAJPIPE_TOPICS__EVENTS": topic,
             "TRAJPIPE_TOPICS__CONTROL": f"{topic}.ctl", "TRAJPIPE_TOPICS__DEAD_LETTERS": f"{topic}.dl",
             "TRAJPIPE_TOPICS__PARTITIONS": str(partitions), "TRAJPIPE_SPOOL_DIR": str(spool)}
+
+
+def create_topics(bootstrap: str, *names: str, partitions: int = 2) -> str:
+    """Create ``names`` (``partitions`` each, replication 1) on the broker; return the first."""
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        admin.create_topics([NewTopic(n, num_partitions=partitions, replication_factor=1) for n in names])
+    finally:
+        admin.close()
+    return names[0]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

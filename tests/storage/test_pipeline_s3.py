@@ -26,7 +26,6 @@ import polars as pl
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
-from kafka.admin import KafkaAdminClient, NewTopic
 
 from pipelines import testhooks
 from pipelines.commit import CommitError
@@ -37,7 +36,7 @@ from pipelines.trajectory_job import run, run_batch
 from schemas import locations as loc
 from schemas.codec import encode_event
 from schemas.storage import delta_storage_options
-from tests.helpers import produce_messages
+from tests.helpers import create_topics, produce_messages
 from tests.pipelines.helpers import episodes, flat
 
 # ~3 min here on 2 busy cores (a Kafka broker, SeaweedFS, eight job runs)
@@ -50,12 +49,7 @@ N = 24
 @pytest.fixture(scope="module")
 def events_topic(kafka_broker) -> tuple[str, str, int]:
     """``(bootstrap, topic, records)``: N synthetic episodes on a 2-partition topic, plus one undecodable record."""
-    topic = f"test.pipeline-s3.{uuid.uuid4().hex[:8]}"
-    admin = KafkaAdminClient(bootstrap_servers=kafka_broker.bootstrap)
-    try:
-        admin.create_topics([NewTopic(topic, num_partitions=2, replication_factor=1)])
-    finally:
-        admin.close()
+    topic = create_topics(kafka_broker.bootstrap, f"test.pipeline-s3.{uuid.uuid4().hex[:8]}")
     msgs = [(e.episode_id.encode(), encode_event(e)) for e in flat(episodes(N, seed=41))] + [(b"ep-x", b"junk")]
     produce_messages(kafka_broker.bootstrap, topic, msgs)
     return kafka_broker.bootstrap, topic, len(msgs)

@@ -25,7 +25,6 @@ import polars as pl
 import pytest
 import torch
 import yaml
-from kafka.admin import KafkaAdminClient, NewTopic
 
 from pipelines.catalog import open_catalog
 from pipelines.trajectory_job import run
@@ -33,7 +32,7 @@ from schemas import locations as loc
 from schemas.codec import encode_event
 from schemas.storage import delta_storage_options
 from streams.synth import generate_episodes
-from tests.helpers import produce_messages
+from tests.helpers import create_topics, produce_messages
 from tests.pipelines.helpers import flat
 from tests.s3_helpers import aws_environment
 from trainer.data import TrajectoryLoader, TrajectoryStream
@@ -64,12 +63,7 @@ def s3_env(s3_store):
 @pytest.fixture(scope="module")
 def datasets(kafka_broker, s3_env, tmp_path_factory) -> tuple[str, str]:
     """``(s3 uri, local dir)``: the same dataset, two commits of N episodes each, written by the batch job."""
-    topic = f"test.readers-s3.{uuid.uuid4().hex[:8]}"
-    admin = KafkaAdminClient(bootstrap_servers=kafka_broker.bootstrap)
-    try:
-        admin.create_topics([NewTopic(topic, num_partitions=2, replication_factor=1)])
-    finally:
-        admin.close()
+    topic = create_topics(kafka_broker.bootstrap, f"test.readers-s3.{uuid.uuid4().hex[:8]}")
     uri = s3_env.uri(f"readers-{uuid.uuid4().hex[:8]}", "datasets")
     local = str(tmp_path_factory.mktemp("readers") / "datasets")
     eps = list(generate_episodes(2 * N, seed=41, vocab_size=VOCAB))
@@ -190,12 +184,7 @@ def test_the_trainer_tails_new_commits_on_s3(kafka_broker, s3_env):
     Every episode comes once, commit 1's before commit 2's, and the tail sees what an offline read of the
     finished dataset sees.
     """
-    topic = f"test.tail-s3.{uuid.uuid4().hex[:8]}"
-    admin = KafkaAdminClient(bootstrap_servers=kafka_broker.bootstrap)
-    try:
-        admin.create_topics([NewTopic(topic, num_partitions=2, replication_factor=1)])
-    finally:
-        admin.close()
+    topic = create_topics(kafka_broker.bootstrap, f"test.tail-s3.{uuid.uuid4().hex[:8]}")
     uri = s3_env.uri(f"tail-{uuid.uuid4().hex[:8]}", "datasets")
     args = ["--source", "kafka", "--bootstrap", kafka_broker.bootstrap, "--topic", topic, "--out", uri]
     eps = list(generate_episodes(2 * N, seed=43, vocab_size=VOCAB))

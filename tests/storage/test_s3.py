@@ -104,17 +104,22 @@ def test_delta_table_with_commit_metadata_read_by_polars_and_duckdb_and_time_tra
     assert pl.scan_delta(uri, version=1, storage_options=options).select(pl.len()).collect().item() == sum(sizes[:2])
 
 
+def _two_handles_on_version_0(uri: str, *, rows: int, app_id: str, version: int):
+    """``(uri, options, a, b)``: a new table (batch ``v0``, ``rows`` rows) and two handles on its version 0."""
+    options = delta_storage_options(uri)
+    write_deltalake(uri, _steps("v0", rows), mode="append", storage_options=options, commit_properties=_commit(
+        "v0", app_id=app_id, version=version))
+    return uri, options, DeltaTable(uri, storage_options=options), DeltaTable(uri, storage_options=options)
+
+
 def test_a_stale_writer_is_refused_by_the_conditional_put_and_retried_on_the_next_version(s3_env):
     """Two handles on version 0; the second commits after the first took version 1 -> it lands on version 2.
 
     Without the server's ``If-None-Match: *`` the second commit's plain PUT would overwrite
     ``00000000000000000001.json`` and batch ``a`` would be lost.
     """
-    uri = s3_env.uri("delta-stale-writer", "steps")
-    options = delta_storage_options(uri)
-    write_deltalake(uri, _steps("v0", 8), mode="append", storage_options=options, commit_properties=_commit(
-        "v0", app_id="w", version=0))
-    a, b = DeltaTable(uri, storage_options=options), DeltaTable(uri, storage_options=options)
+    uri, options, a, b = _two_handles_on_version_0(s3_env.uri("delta-stale-writer", "steps"), rows=8, app_id="w",
+                                                   version=0)
     write_deltalake(a, _steps("a", 4), mode="append", commit_properties=_commit("a", app_id="a", version=0))
     write_deltalake(b, _steps("b", 4), mode="append", commit_properties=_commit("b", app_id="b", version=0))
     table = DeltaTable(uri, storage_options=options)
@@ -135,11 +140,8 @@ def test_two_writers_of_one_application_transaction_version_one_commits_the_othe
     """
     from deltalake.exceptions import CommitFailedError
 
-    uri = s3_env.uri("delta-same-app-txn", "steps")
-    options = delta_storage_options(uri)
-    write_deltalake(uri, _steps("v0", 4), mode="append", storage_options=options, commit_properties=_commit(
-        "v0", app_id="other", version=1))
-    a, b = DeltaTable(uri, storage_options=options), DeltaTable(uri, storage_options=options)
+    uri, options, a, b = _two_handles_on_version_0(s3_env.uri("delta-same-app-txn", "steps"), rows=4,
+                                                   app_id="other", version=1)
     write_deltalake(a, _steps("a", 4), mode="append", commit_properties=_commit("a", app_id="trajpipe.V", version=1))
     with pytest.raises(CommitFailedError, match="[Cc]oncurrent transaction"):
         write_deltalake(b, _steps("b", 4), mode="append", commit_properties=_commit("b", app_id="trajpipe.V",

@@ -33,14 +33,13 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 from kafka import KafkaProducer
-from kafka.admin import KafkaAdminClient, NewTopic
 
 from pipelines.delta_tables import delta_batches
 from pipelines.trajectory_job import run
 from schemas import locations as loc
 from schemas.codec import encode_event
 from schemas.storage import delta_storage_options
-from tests.helpers import produce_messages
+from tests.helpers import create_topics, produce_messages
 from tests.pipelines.helpers import episodes
 
 pytestmark = [
@@ -75,19 +74,10 @@ def _produce_in_one_window(bootstrap: str, topic: str, messages: list[tuple[byte
         producer.close(timeout=10)
 
 
-def _topic(bootstrap: str, name: str) -> str:
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-    try:
-        admin.create_topics([NewTopic(name, num_partitions=2, replication_factor=1)])
-    finally:
-        admin.close()
-    return name
-
-
 @pytest.fixture(scope="module")
 def events(kafka_broker) -> dict:
     """DONE finished episodes, the heads of OPEN more and one undecodable record on a 2-partition topic."""
-    topic = _topic(kafka_broker.bootstrap, f"test.stream-s3.{uuid.uuid4().hex[:8]}")
+    topic = create_topics(kafka_broker.bootstrap, f"test.stream-s3.{uuid.uuid4().hex[:8]}")
     eps = episodes(DONE + OPEN, seed=53)
     done, open_ = eps[:DONE], eps[DONE:]
     _produce_in_one_window(kafka_broker.bootstrap, topic, _records(done) + _records([ep[:4] for ep in open_])
@@ -178,7 +168,7 @@ def test_stream_to_s3_is_the_local_stream_and_a_restart_adds_nothing(events, loc
 def test_restart_continues_from_the_committed_offsets(kafka_broker, s3_env):
     """Run 1 commits the finished episodes and the open ones as pending state; their tails are produced; run 2
     reads from the covered offsets only, feeds the pending events back and completes them: each episode once."""
-    topic = _topic(kafka_broker.bootstrap, f"test.stream-s3-restart.{uuid.uuid4().hex[:8]}")
+    topic = create_topics(kafka_broker.bootstrap, f"test.stream-s3-restart.{uuid.uuid4().hex[:8]}")
     eps = episodes(12, seed=43)
     done, open_ = eps[:6], eps[6:]
     uri = s3_env.uri(f"restart-{uuid.uuid4().hex[:8]}", "datasets")
