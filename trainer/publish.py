@@ -10,7 +10,9 @@ Store layout::
 
 A version directory appears atomically: it is written as ``.v<version>.tmp``
 and renamed into place, so a worker never loads a half-written policy. The
-event is emitted only after the rename.
+event is emitted only after the rename. A store on ``s3://`` gets the version
+written locally, then uploaded with ``policy.json`` last
+(:func:`trainer.outputs.upload_policy`): ``policy.json`` marks a complete version.
 """
 
 from __future__ import annotations
