@@ -162,14 +162,17 @@ def test_train_out_s3_as_a_command_and_bad_buckets_are_one_line(s3_env, tiny_mod
     args = ["--data", str(dataset), "--model", str(tiny_model), "--objective", "bc", "--max-steps", "2",
             "--config", str(tmp_path / "r.yaml")]
     (tmp_path / "r.yaml").write_text("# trajpipe train --config r.yaml ...\ndata: {seq_len: 64, batch_size: 2}\n")
-    proc = _train([*args, "--out", out], s3_env.env(), tmp_path)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = _train([*args, "--out", out], {**s3_env.env(), "TMPDIR": str(scratch)}, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("trajpipe-train-")] == []  # scratch removed
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (summary["steps"], summary["policy_version"]) == (2, 1) and summary["tokens"] > 0
     assert loc.read_bytes(loc.join(out, "checkpoints", "latest")) == b"step-2"
     assert read_policy(loc.join(out, "policies", "v1")).train_step == 2
     assert len([d for d in _jsonl(loc.join(out, "metrics.jsonl")) if "train/loss" in d]) == 2  # steps taken
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]  # nothing written locally
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml", "tmp"]  # nothing written locally
 
     bucket = f"missing-{uuid.uuid4().hex[:8]}"
     wrong = {**s3_env.env(), "AWS_SECRET_ACCESS_KEY": "wrong"}

@@ -536,7 +536,12 @@ def run(cfg: TrainConfig, *, emit_event: Callable[[Event], None] | None = None,
         progress: bool = True) -> dict[str, int]:
     """``setup → train → save_checkpoint → cleanup``; returns ``{"steps", "tokens", "policy_version"}``."""
     recipe = RLRecipe(cfg, emit_event=emit_event, progress=progress)
-    recipe.setup()
+    try:
+        recipe.setup()
+    except BaseException:
+        if recipe.work_dir is not None:  # cleanup() would do it; setup failed before there is anything to close
+            shutil.rmtree(recipe.work_dir, ignore_errors=True)
+        raise
     try:
         return recipe.train()
     finally:
