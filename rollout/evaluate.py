@@ -58,7 +58,7 @@ from kafka import KafkaConsumer, TopicPartition
 
 from rollout.heldout import heldout_tasks
 from rollout.policies.base import Policy
-from rollout.reload import reload_policy
+from rollout.reload import fetch_policy, reload_policy
 from rollout.scheduler import ScheduledTask
 from rollout.worker import EpisodeResult, RolloutConfig, RolloutCounts, RolloutWorker
 from rollout.envs import Task
@@ -578,7 +578,7 @@ def follow_evaluations(reader: ControlReader, *, kind: str, config: EvalConfig, 
             continue
         event = pending.pop(0)
         try:
-            state.policy = (load_policy(kind, event.location, version=event.version, lineage=event.lineage,
+            state.policy = (load_policy(kind, fetch_policy(event.location), version=event.version, lineage=event.lineage,
                                         config=config) if state.policy is None else reload_policy(state.policy, event))
         except (OSError, ValueError, TypeError) as err:
             log.error("cannot load policy version %d from %s: %s; skipping it", event.version, event.location, err)

@@ -17,6 +17,11 @@ with :func:`reload_policy`:
   one engine, weights loaded into it) are reloaded only once the worker has
   drained its in-flight episodes (it admits no new ones meanwhile).
 
+A ``location`` on an object store (``s3://BUCKET/.../v<version>``, a trainer publishing to
+``publish.store: s3://...``) is downloaded by :func:`fetch_policy` into a local cache directory, one
+per version, before the policy loads it: the trainer uploads a version whole (its ``policy.json``
+last) before announcing it, so the download is the whole version.
+
 The follower reads the topic from the beginning, so a worker started after a
 publication picks up the newest version at once ("newest wins"; older
 publications are skipped). The control topic is small (one event per version).
@@ -29,14 +34,20 @@ Examples:
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import shutil
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any, Protocol, Self, runtime_checkable
 
 from kafka import KafkaConsumer, TopicPartition
 
 from rollout.policies.base import Policy
+from schemas import locations as loc
 from schemas.codec import EventDecodeError, decode_event
 from schemas.events import PolicyPublished, make_event_id
 from streams.admin import raise_if_unauthorized
@@ -46,6 +57,7 @@ from streams.errors import check_kafka, is_access_denied, kafka_access_errors
 __all__ = [
     "PolicyFollower",
     "PolicyNotReloadableError",
+    "fetch_policy",
     "ReloadablePolicy",
     "make_policy_published",
     "reload_policy",
@@ -88,11 +100,48 @@ def make_policy_published(*, version: int, location: str, producer_id: str, pare
     )
 
 
-def reload_policy(policy: Policy, event: PolicyPublished) -> Policy:
+def fetch_policy(location: str, *, cache_dir: str | os.PathLike[str] | None = None) -> str:
+    """A local directory holding the policy version at ``location``: itself when local, else a downloaded copy.
+
+    An ``s3://`` version is copied whole into ``<cache_dir>/<hash of the URI>-<name>`` (default cache:
+    ``trajpipe-policies`` under the system temp), through a temporary directory renamed into place, so
+    a crash mid-download never leaves a copy that looks complete; a version already cached is not
+    downloaded again (versions are immutable).
+
+    Raises:
+        FileNotFoundError: no ``policy.json`` at ``location`` (not a published version, or not yet uploaded).
+    """
+    if not loc.is_remote(location):
+        return location
+    location = location.rstrip("/")
+    cache = Path(cache_dir) if cache_dir is not None else Path(tempfile.gettempdir()) / "trajpipe-policies"
+    name = location.rsplit("/", 1)[-1]
+    dest = cache / f"{hashlib.sha256(location.encode()).hexdigest()[:16]}-{name}"
+    if (dest / "policy.json").is_file():
+        return str(dest)
+    if not loc.is_file(loc.join(location, "policy.json")):
+        raise FileNotFoundError(f"{location} holds no published policy (no policy.json)")
+    tmp = cache / f".{dest.name}.tmp-{os.getpid()}-{threading.get_ident()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        loc.download_dir(location, tmp)
+        try:
+            os.rename(tmp, dest)
+        except OSError:  # another process put the same version in place first
+            if not (dest / "policy.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("policy %s downloaded to %s", location, dest)
+    return str(dest)
+
+
+def reload_policy(policy: Policy, event: PolicyPublished, *, cache_dir: str | os.PathLike[str] | None = None) -> Policy:
     """Load ``event``'s weights into ``policy`` (or a new policy); returns the policy to use from now on.
 
     The policy takes the event's version and lineage: episodes it acts in are
-    stamped with both.
+    stamped with both. A location on an object store is downloaded first (:func:`fetch_policy`,
+    into ``cache_dir``).
 
     Raises:
         PolicyNotReloadableError: the policy has no ``reload`` (e.g. scripted).
@@ -103,7 +152,7 @@ def reload_policy(policy: Policy, event: PolicyPublished) -> Policy:
             f"{type(policy).__name__} cannot load policy version {event.version}; run the worker with "
             "--policy hf or --policy vllm to follow published versions"
         )
-    return policy.reload(event.location, event.version, lineage=event.lineage)
+    return policy.reload(fetch_policy(event.location, cache_dir=cache_dir), event.version, lineage=event.lineage)
 
 
 class PolicyFollower:

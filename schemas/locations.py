@@ -54,7 +54,7 @@ from schemas.storage import S3Settings, _split_s3, atomic_write, fsync_dir, reso
 __all__ = [
     "is_remote", "filesystem", "join", "exists", "is_file", "read_bytes", "write_atomic", "write_new",
     "move", "delete_file", "delete_dir", "list_files", "list_dir", "open_output", "open_input", "size_and_mtime_ms",
-    "read_feather", "write_feather", "read_parquet", "parquet_rows",
+    "read_feather", "write_feather", "read_parquet", "parquet_rows", "upload_dir", "download_dir",
 ]
 
 
@@ -300,6 +300,34 @@ def size_and_mtime_ms(location: str | os.PathLike[str]) -> tuple[int, int]:
     if info.type != pafs.FileType.File:
         raise FileNotFoundError(f"{location} does not exist")
     return info.size, info.mtime_ns // 1_000_000
+
+
+def upload_dir(local_dir: str | os.PathLike[str], location: str | os.PathLike[str]) -> None:
+    """Copy every file under the local directory ``local_dir`` to ``location`` (``pyarrow.fs.copy_files``).
+
+    Files already at ``location`` with other names stay; those with the same names are replaced. Not
+    atomic on an object store (one PUT per file): callers mark a directory complete by writing a last
+    file once this returns.
+    """
+    fs, path = filesystem(location)
+    if not is_remote(location):
+        Path(path).mkdir(parents=True, exist_ok=True)
+    pafs.copy_files(os.fspath(Path(local_dir).resolve()), path, source_filesystem=pafs.LocalFileSystem(),
+                    destination_filesystem=fs)
+
+
+def download_dir(location: str | os.PathLike[str], local_dir: str | os.PathLike[str]) -> None:
+    """Copy every file under ``location`` into the local directory ``local_dir`` (made as needed).
+
+    Raises:
+        FileNotFoundError: nothing is at ``location``.
+    """
+    fs, path = filesystem(location)
+    if fs.get_file_info(path).type == pafs.FileType.NotFound:
+        raise FileNotFoundError(f"{os.fspath(location)} does not exist")
+    Path(local_dir).mkdir(parents=True, exist_ok=True)
+    pafs.copy_files(path, os.fspath(Path(local_dir).resolve()), source_filesystem=fs,
+                    destination_filesystem=pafs.LocalFileSystem())
 
 
 # --- Arrow files at a location -------------------------------------------------------------------------------

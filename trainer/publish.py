@@ -10,7 +10,9 @@ Store layout::
 
 A version directory appears atomically: it is written as ``.v<version>.tmp``
 and renamed into place, so a worker never loads a half-written policy. The
-event is emitted only after the rename.
+event is emitted only after the rename. A store on ``s3://`` gets the version
+written locally, then uploaded with ``policy.json`` last
+(:func:`trainer.outputs.upload_policy`): ``policy.json`` marks a complete version.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, Callable
 import msgspec
 import torch
 
+from schemas import locations as loc
 from schemas.events import PolicyPublished, make_event_id
 
 __all__ = [
@@ -46,7 +49,7 @@ class PolicyRecord(msgspec.Struct, kw_only=True):
         parent_version: the version training started from.
         base_model: base model directory.
         train_step: trainer optimizer step at which it was saved.
-        location: absolute path of the version directory.
+        location: absolute path of the version directory, or its ``s3://`` URI on an object store.
         format: ``merged`` (full HF weights) or ``adapter`` (a peft LoRA adapter on ``base_model``).
         adapter: LoRA adapter name (domain group), if any.
         lineage: id of the chain of versions this one belongs to (the training
@@ -69,15 +72,19 @@ class PolicyRecord(msgspec.Struct, kw_only=True):
     created_at: datetime = msgspec.field(default_factory=lambda: datetime.now(timezone.utc))
 
 
-def next_policy_version(store: Path, *, current: int) -> int:
-    """One more than the newest version in ``store`` or ``current``, whichever is larger."""
-    existing = [int(p.name[1:]) for p in Path(store).glob("v*") if p.is_dir() and p.name[1:].isdigit()]
+def next_policy_version(store: str | Path, *, current: int) -> int:
+    """One more than the newest version in ``store`` (a local path or ``s3://`` URI) or ``current``, whichever is larger."""
+    existing = [int(name[1:]) for name in loc.list_dir(store) if name.startswith("v") and name[1:].isdigit()]
     return max([current, *existing]) + 1
 
 
-def read_policy(path: Path) -> PolicyRecord:
-    """The :class:`PolicyRecord` of a published version directory."""
-    return msgspec.json.decode((Path(path) / "policy.json").read_bytes(), type=PolicyRecord)
+def read_policy(path: str | Path) -> PolicyRecord:
+    """The :class:`PolicyRecord` of a published version directory (a local path or ``s3://`` URI).
+
+    Raises:
+        FileNotFoundError: it has no ``policy.json`` (not a published version, or one not completely uploaded).
+    """
+    return msgspec.json.decode(loc.read_bytes(loc.join(os.fspath(path), "policy.json")), type=PolicyRecord)
 
 
 def write_policy(
@@ -91,6 +98,7 @@ def write_policy(
     adapter: str | None = None,
     lineage: str = "",
     dataset_position: list[dict[str, Any]] | None = None,
+    location: str | None = None,
 ) -> PolicyRecord:
     """Write policy ``version`` into the store atomically (rank 0 only).
 
@@ -105,6 +113,8 @@ def write_policy(
         adapter: LoRA adapter name, if any.
         lineage: the trainer's lineage id.
         dataset_position: trainer dataset position to record.
+        location: where the version is published, when not here (an ``s3://`` URI it is uploaded to
+            afterwards, :func:`trainer.outputs.upload_policy`); default the written directory.
 
     Raises:
         FileExistsError: ``v<version>`` already exists (versions are immutable).
@@ -125,7 +135,7 @@ def write_policy(
             shutil.copy2(src, tmp / name)
     record = PolicyRecord(
         version=version, parent_version=parent_version, base_model=str(Path(base_model).resolve()),
-        train_step=train_step, location=str(final.resolve()), format=fmt, adapter=adapter, lineage=lineage,
+        train_step=train_step, location=location or str(final.resolve()), format=fmt, adapter=adapter, lineage=lineage,
         dataset_position=dataset_position or [],
     )
     (tmp / "policy.json").write_bytes(msgspec.json.format(msgspec.json.encode(record), indent=1) + b"\n")

@@ -582,8 +582,9 @@ def train(
                                                  "s3://BUCKET/PREFIX", parser=_dataset_location, metavar="PATH")] = None,
     recipe: Annotated[Optional[str], typer.Option(help="dataset version <name>-<hash8> (needed when --data holds several)")] = None,
     model: Annotated[Optional[Path], typer.Option(help="base model: a local HF directory")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="run directory: metrics.jsonl, checkpoints/, policies/",
-                                                parser=_local_location, metavar="PATH")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="run directory: metrics.jsonl, checkpoints/, policies/; a "
+                                                "directory or s3://BUCKET/PREFIX", parser=_dataset_location,
+                                                metavar="PATH")] = None,
     objective: Annotated[Optional[str], typer.Option(help="bc | awr | ppo | grpo")] = None,
     mode: Annotated[Optional[str], typer.Option(help="offline (epochs) | online (tail + staleness cap + publish)")] = None,
     max_steps: Annotated[Optional[int], typer.Option("--max-steps", help="optimizer steps")] = None,
@@ -618,13 +619,25 @@ def train(
         resolve(cfg.data.dir)  # names a bucket; the AWS_* settings parse
     else:
         local_path(cfg.data.dir, flag="--data (data.dir)")  # the recipe YAML may name another scheme too
-    local_path(cfg.out, flag="--out (out)")
+    # Outputs: local, or s3:// (written in a local scratch directory and uploaded, trainer/outputs.py).
+    outputs = [("--out (out)", cfg.out), ("checkpoint.dir", cfg.checkpoint.dir), ("publish.store", cfg.publish.store)]
+    for flag, where in outputs:
+        if where is None:
+            continue
+        if scheme_of(where) == "s3":
+            resolve(where)  # names a bucket; the AWS_* settings parse
+        else:
+            local_path(where, flag=flag)  # the recipe YAML may name another scheme
     _check_model_dir(Path(cfg.model))
     if s3_data:
         _check_remote_data(cfg.data.dir)
     else:
         _check_dir("--data", Path(cfg.data.dir), must_exist=True)
-    _check_dir("--out", Path(cfg.out))
+    for flag, where in outputs:
+        if where is not None and scheme_of(where) == "s3":
+            _check_remote_out(flag.split(" ")[0], where)
+    if scheme_of(cfg.out) != "s3":
+        _check_dir("--out", Path(cfg.out))
     if cfg.engine.deepspeed_config and not Path(cfg.engine.deepspeed_config).is_file():
         _fail(f"`--deepspeed-config` {cfg.engine.deepspeed_config} is not a file; give a DeepSpeed JSON/YAML file")
     from trainer.recipes.rl import run

@@ -8,7 +8,8 @@ manifest claimed the Kafka offsets. Each such flag now ends the command with one
 naming the flag and exit status 2, with nothing read from Kafka and nothing written.
 ``pipeline run --out`` writes ``s3://`` in both modes (tests/storage/test_pipeline_s3.py,
 tests/storage/test_stream_s3.py), the archiver and its readers (``archive --out``, batch ``pipeline run
---archive``, ``query --archive``) take it (tests/storage/test_archive_s3.py), and no command takes ``gs://``
+--archive``, ``query --archive``) take it (tests/storage/test_archive_s3.py), so does ``train --out``
+(tests/storage/test_trainer_s3.py), and no command takes ``gs://``
 (the storage layer's scheme check).
 """
 
@@ -63,8 +64,9 @@ CASES = {
 }
 
 
-#: Flags whose readers take ``s3://`` (tests/storage/test_readers_s3.py): refused for another scheme.
-GS_ONLY = ("train --data", "train data.dir in --config", "query --data", "report --data", "loop run_dir in --config",
+#: Flags whose readers (or writers) take ``s3://`` (tests/storage/test_readers_s3.py, test_trainer_s3.py): refused
+#: for another scheme.
+GS_ONLY = ("train --data", "train data.dir in --config", "train --out", "query --data", "report --data", "loop run_dir in --config",
            # and the archive's writer and readers (tests/storage/test_archive_s3.py)
            "archive --out", "pipeline run --archive", "query --archive", "feedback --archive", "feedback --data")
 #: Run as real processes (the console script's path); the rest in-process through the same error handling.

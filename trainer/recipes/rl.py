@@ -62,6 +62,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from schemas import locations as loc
 from schemas.events import Event
 from trainer.config import TrainConfig
 from trainer.data import DataError, PackedBatch, StepFilter, TrajectoryLoader, TrajectoryStream
@@ -70,6 +71,7 @@ from trainer.engine import (
 )
 from trainer.losses import build_objective, policy_lag, staleness_weights, step_loss_weights, step_response_index
 from trainer.metrics import MetricLogger
+from trainer.outputs import CheckpointDir, RunFiles, make_work_dir, upload_policy
 from trainer.publish import (
     emit_policy_published, next_policy_version, read_policy, save_merged_weights, write_policy,
 )
@@ -95,9 +97,14 @@ class RLRecipe:
         self.cfg = cfg
         self.emit_event = emit_event
         self.show_progress = progress
-        self.out = Path(cfg.out)
-        self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out / "checkpoints"
-        self.store = Path(cfg.publish.store) if cfg.publish.store else self.out / "policies"
+        # Outputs on an object store are written in a local scratch directory and uploaded (trainer.outputs).
+        ckpt = cfg.checkpoint.dir or loc.join(cfg.out, "checkpoints")
+        self.store = cfg.publish.store or loc.join(cfg.out, "policies")
+        self.work_dir = make_work_dir() if any(map(loc.is_remote, (cfg.out, ckpt, self.store))) else None
+        self.files = RunFiles(cfg.out, work_dir=self.work_dir)
+        self.out = self.files.local
+        self.ckpt = CheckpointDir(ckpt, work_dir=self.work_dir)
+        self.ckpt_dir = self.ckpt.local
         self.step = 0
         self.tokens = 0
         self.skipped_steps = 0
@@ -168,6 +175,8 @@ class RLRecipe:
         self.lineage = self._gather(cfg.publish.lineage or self._started_lineage
                                     or uuid.uuid4().hex[:16])[0]  # rank 0's
         if cfg.resume:
+            if self.is_main:
+                self.files.fetch()
             self._resume()
 
         self.metrics = MetricLogger(self.out / "metrics.jsonl", enabled=self.is_main)
@@ -181,9 +190,9 @@ class RLRecipe:
             log.info("effective config: %s", effective)
 
     def _resume(self) -> None:
-        state = self.engine.load_checkpoint(self.ckpt_dir)
+        state = self.engine.load_checkpoint(self.ckpt_dir) if self.ckpt.fetch_latest() else None
         if state is None:
-            log.warning("--resume: no checkpoint in %s; starting from step 0", self.ckpt_dir)
+            log.warning("--resume: no checkpoint in %s; starting from step 0", self.ckpt)
             return
         if len(state["data"]) != self.world_size:
             raise ValueError(f"checkpoint was written by {len(state['data'])} ranks, this run has "
@@ -429,13 +438,14 @@ class RLRecipe:
             "data": self._gather(self.loader.state_dict()), "rng": self._gather(_rng_state()),
             "publish_version": publish_version,
         }
-        self.engine.save_checkpoint(self.ckpt_dir, tag=f"step-{self.step}", client_state=client_state)
+        tag = f"step-{self.step}"
+        self.engine.save_checkpoint(self.ckpt_dir, tag=tag, client_state=client_state)
+        # On an object store: uploaded whole, then `latest` names it (one PUT); a crash before leaves the previous.
+        self.ckpt.commit(tag, keep_last=self.cfg.checkpoint.keep_last, is_main=self.is_main,
+                         barrier=lambda: self._gather(None))
         self._last_checkpoint_step = self.step
         if self.is_main:
-            tags = sorted((p for p in self.ckpt_dir.glob("step-*") if p.is_dir()),
-                          key=lambda p: int(p.name.split("-")[1]))
-            for old in tags[:-self.cfg.checkpoint.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+            self.files.upload()
 
     def publish(self) -> None:
         """Write the current policy version (``policy_version``, taken by :meth:`_checkpoint_and_publish`) to the
@@ -451,8 +461,9 @@ class RLRecipe:
         positions = self._gather(self.loader.state_dict())
         version = self.policy_version
         if self.is_main:
-            final = self.store / f"v{version}"
-            if final.is_dir():
+            final = loc.join(self.store, f"v{version}")
+            # policy.json marks a complete version (on an object store it is uploaded last)
+            if loc.is_file(loc.join(final, "policy.json")):
                 record = read_policy(final)
                 if (record.lineage, record.train_step) != (self.lineage, self.step):
                     raise ValueError(
@@ -463,12 +474,19 @@ class RLRecipe:
             else:
                 save = save_merged_weights(self.engine.module, state_dict, base_model=Path(self.cfg.model),
                                            lora_merge=self.cfg.lora.merge_on_publish)
+                remote = loc.is_remote(self.store)
+                local_store = self.work_dir / "policies" if remote else Path(self.store)
+                if remote:  # a partial upload of this version before a crash is overwritten
+                    shutil.rmtree(local_store / f"v{version}", ignore_errors=True)
                 record = write_policy(
-                    self.store, version=version, parent_version=self.parent_version,
+                    local_store, version=version, parent_version=self.parent_version,
                     base_model=Path(self.cfg.model), train_step=self.step, save_weights=save,
                     adapter=self.cfg.lora.group if self.cfg.lora.enabled else None,
-                    lineage=self.lineage, dataset_position=positions,
+                    lineage=self.lineage, dataset_position=positions, location=final if remote else None,
                 )
+                if remote:  # uploaded whole (policy.json last) before the event announces it
+                    upload_policy(local_store / f"v{version}", final)
+                    shutil.rmtree(local_store / f"v{version}", ignore_errors=True)
             if self.emit_event is not None:
                 emit_policy_published(self.emit_event, record, domain=self.cfg.publish.domain)
             log.info("published policy v%d at step %d: %s", version, self.step, record.location)
@@ -484,6 +502,10 @@ class RLRecipe:
         if self.samples_log is not None:
             self.samples_log.close()
         self.engine.close()
+        if self.is_main:
+            self.files.upload()
+        if self.work_dir is not None:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -514,7 +536,12 @@ def run(cfg: TrainConfig, *, emit_event: Callable[[Event], None] | None = None,
         progress: bool = True) -> dict[str, int]:
     """``setup → train → save_checkpoint → cleanup``; returns ``{"steps", "tokens", "policy_version"}``."""
     recipe = RLRecipe(cfg, emit_event=emit_event, progress=progress)
-    recipe.setup()
+    try:
+        recipe.setup()
+    except BaseException:
+        if recipe.work_dir is not None:  # cleanup() would do it; setup failed before there is anything to close
+            shutil.rmtree(recipe.work_dir, ignore_errors=True)
+        raise
     try:
         return recipe.train()
     finally:
