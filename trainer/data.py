@@ -1256,6 +1256,32 @@ class TrajectoryStream(IterableDataset):
             yield packer.emit(ShardPosition(shard=shard, unit=pos.unit, batches=count[0]))
 
 
+#: Longest path of a Unix socket on Linux (``sun_path`` holds 108 bytes with the terminating NUL).
+_AF_UNIX_PATH_MAX = 107
+
+
+def _check_worker_socket_room() -> None:
+    """Refuse a temporary directory whose path leaves no room for the DataLoader workers' sockets.
+
+    A worker hands a batch's tensors to the trainer by file descriptor, through multiprocessing's
+    resource sharer, which listens on ``<tempdir>/pymp-XXXXXXXX/listener-XXXXXXXX`` (32 characters
+    past the temporary directory). Past 107 bytes the worker's ``bind`` fails with ``AF_UNIX path too
+    long`` in its feeder thread and the trainer waits forever for the batch -- a silent hang, seen
+    with a long ``TMPDIR``.
+
+    Raises:
+        DataError: the temporary directory's path is too long; the message says what to set.
+    """
+    import tempfile
+
+    tmp = tempfile.gettempdir()
+    if len(os.fsencode(tmp)) + 32 > _AF_UNIX_PATH_MAX:
+        raise DataError(f"the temporary directory {tmp} ({len(os.fsencode(tmp))} bytes) is too long for the data "
+                        f"loader workers' sockets (Unix socket paths hold {_AF_UNIX_PATH_MAX} bytes, the workers "
+                        f"need {len(os.fsencode(tmp)) + 32}): set TMPDIR to a directory of at most "
+                        f"{_AF_UNIX_PATH_MAX - 32} bytes, or train with data.num_workers: 0")
+
+
 class TrajectoryLoader:
     """A DataLoader over a :class:`TrajectoryStream` that remembers what it handed out.
 
@@ -1271,6 +1297,8 @@ class TrajectoryLoader:
 
     def __init__(self, stream: TrajectoryStream, *, pin_memory: bool = False, prefetch_factor: int = 4) -> None:
         self.stream = stream
+        if stream.num_workers:
+            _check_worker_socket_room()
         self._loader = DataLoader(
             stream, batch_size=None, num_workers=stream.num_workers, pin_memory=pin_memory,
             prefetch_factor=prefetch_factor if stream.num_workers else None,

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -157,13 +159,14 @@ def _train(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Comple
                           timeout=600, env={**os.environ, "PYTHONPATH": str(REPO), **env})
 
 
-def test_train_out_s3_as_a_command_and_bad_buckets_are_one_line(s3_env, tiny_model, dataset, tmp_path):
+def test_train_out_s3_as_a_command_and_bad_buckets_are_one_line(s3_env, tiny_model, dataset, tmp_path, request):
     out = s3_env.uri(f"cli-{uuid.uuid4().hex[:8]}")
     args = ["--data", str(dataset), "--model", str(tiny_model), "--objective", "bc", "--max-steps", "2",
             "--config", str(tmp_path / "r.yaml")]
     (tmp_path / "r.yaml").write_text("# trajpipe train --config r.yaml ...\ndata: {seq_len: 64, batch_size: 2}\n")
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
+    # a short TMPDIR: under pytest-xdist tmp_path/tmp is too long for the DataLoader workers' sockets
+    scratch = Path(tempfile.mkdtemp(prefix="tps3-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
     proc = _train([*args, "--out", out], {**s3_env.env(), "TMPDIR": str(scratch)}, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [p.name for p in scratch.iterdir() if p.name.startswith("trajpipe-train-")] == []  # scratch removed
@@ -172,7 +175,7 @@ def test_train_out_s3_as_a_command_and_bad_buckets_are_one_line(s3_env, tiny_mod
     assert loc.read_bytes(loc.join(out, "checkpoints", "latest")) == b"step-2"
     assert read_policy(loc.join(out, "policies", "v1")).train_step == 2
     assert len([d for d in _jsonl(loc.join(out, "metrics.jsonl")) if "train/loss" in d]) == 2  # steps taken
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml", "tmp"]  # nothing written locally
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]  # nothing written locally
 
     bucket = f"missing-{uuid.uuid4().hex[:8]}"
     wrong = {**s3_env.env(), "AWS_SECRET_ACCESS_KEY": "wrong"}

@@ -313,6 +313,24 @@ def test_uncommitted_files_are_never_visible(make_dataset):
     assert len(eps) == 10 and not any(e.startswith("x2") for e in eps) and len(set(eps)) == 10
 
 
+def test_a_temporary_directory_too_long_for_the_workers_sockets_is_one_error(make_dataset, tmp_path, monkeypatch):
+    """A worker's ``bind`` of ``<tempdir>/pymp-XXXXXXXX/listener-XXXXXXXX`` past 107 bytes used to hang the trainer."""
+    import tempfile
+
+    root = make_dataset((4,))
+    long = tmp_path / ("d" * max(1, 80 - len(str(tmp_path))))
+    long.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long))
+    assert len(str(long)) + 32 > 107
+    with pytest.raises(DataError, match=r"too long for the data loader workers' sockets .* set TMPDIR"):
+        TrajectoryLoader(TrajectoryStream(root, seq_len=256, batch_size=2, num_workers=1))
+    # no workers, no sockets: the same directory is fine
+    assert _episodes(TrajectoryStream(root, seq_len=256, batch_size=2, num_workers=0))
+    # a short temporary directory: the worker delivers
+    monkeypatch.setattr(tempfile, "tempdir", "/tmp")
+    assert list(TrajectoryLoader(TrajectoryStream(root, seq_len=256, batch_size=2, num_workers=1)))
+
+
 def test_tail_mode_picks_up_new_commits_and_never_partial_ones(make_dataset):
     root = make_dataset((12,))
     stream = TrajectoryStream(root, seq_len=256, batch_size=1, mode="tail", poll_interval_s=0.05, idle_timeout_s=1.0)
