@@ -44,9 +44,11 @@ import functools
 import os
 import shutil
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 
 from schemas.storage import S3Settings, _split_s3, atomic_write, fsync_dir, resolve, scheme_of
@@ -54,7 +56,7 @@ from schemas.storage import S3Settings, _split_s3, atomic_write, fsync_dir, reso
 __all__ = [
     "is_remote", "filesystem", "join", "exists", "is_file", "read_bytes", "write_atomic", "write_new",
     "move", "delete_file", "delete_dir", "list_files", "list_dir", "open_output", "open_input", "size_and_mtime_ms",
-    "read_feather", "write_feather", "read_parquet", "parquet_rows", "upload_dir", "download_dir",
+    "read_feather", "write_feather", "read_parquet", "parquet_rows", "parquet_dataset", "upload_dir", "download_dir",
 ]
 
 
@@ -367,3 +369,16 @@ def parquet_rows(location: str | os.PathLike[str]) -> int:
 
     with open_input(location) as f:
         return pq.ParquetFile(f).metadata.num_rows
+
+
+def parquet_dataset(files: Sequence[str | os.PathLike[str]]) -> pads.FileSystemDataset:
+    """Parquet files (locations on one filesystem) as one ``pyarrow.dataset``, hive keys parsed as strings.
+
+    For DuckDB without ``httpfs``: register the dataset on a connection and query it by name, as
+    ``read_parquet([...], hive_partitioning=true)`` reads local files.
+    """
+    fs, _ = filesystem(files[0])
+    paths = [filesystem(f)[1] for f in files]
+    keys = sorted({seg.split("=", 1)[0] for p in paths for seg in p.split("/")[:-1] if "=" in seg})
+    return pads.dataset(paths, filesystem=fs, format="parquet",
+                        partitioning=pads.partitioning(pa.schema([(k, pa.string()) for k in keys]), flavor="hive"))

@@ -113,16 +113,10 @@ def _sql_str(value: str) -> str:
 
 def _from_data(con: Any, data: Path | str, episode_id: str) -> EpisodeRef | None:
     if loc.is_remote(data):  # DuckDB has no httpfs here: the trajectory files as one hive-partitioned Arrow dataset
-        import pyarrow.dataset as pads
-
-        root = loc.join(str(data), "trajectories")
-        files = loc.list_files(root, suffix=".parquet")
+        files = loc.list_files(loc.join(str(data), "trajectories"), suffix=".parquet")
         if not files:
             return None
-        fs, base = loc.filesystem(root)
-        con.register("_dataset_trajectories", pads.dataset(
-            [loc.filesystem(f)[1] for f in files], filesystem=fs, format="parquet",
-            partitioning=pads.partitioning(flavor="hive"), partition_base_dir=base))
+        con.register("_dataset_trajectories", loc.parquet_dataset(files))
         source = "_dataset_trajectories"
     else:
         root = Path(data) / "trajectories"
@@ -144,11 +138,7 @@ def _from_archive(con: Any, archive: Path | str, episode_id: str) -> EpisodeRef 
     if not files:
         return None
     if loc.is_remote(archive):  # DuckDB has no httpfs here: the committed files as one Arrow dataset
-        import pyarrow.dataset as pads
-
-        fs, _ = loc.filesystem(str(files[0]))
-        con.register("_archive_files", pads.dataset([loc.filesystem(str(f))[1] for f in files], filesystem=fs,
-                                                    format="parquet"))
+        con.register("_archive_files", loc.parquet_dataset([str(f) for f in files]))
         source = "_archive_files"
     else:
         source = (f"read_parquet([{', '.join(_sql_str(str(p)) for p in files)}], hive_partitioning=true, "
