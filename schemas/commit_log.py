@@ -43,17 +43,20 @@ Examples:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
 
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, PostCommitHookProperties, Schema, Transaction
-from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
+from deltalake.exceptions import DeltaError, TableNotFoundError
 from deltalake.transaction import create_table_with_add_actions
 
 from schemas import locations as loc
 from schemas.storage import delta_storage_options
+
+_logger = logging.getLogger(__name__)
 
 __all__ = ["CommitLog", "CommitLogError", "CommitTaken", "Snapshot", "RECORD_KEY"]
 
@@ -62,6 +65,7 @@ RECORD_KEY = "trajpipe.record"
 #: Commit-metadata key holding the commit number (also the ``txn`` version).
 COMMIT_KEY = "trajpipe.commit"
 
+_ATTEMPTS = 3  # tries of one commit whose refusal was not a rival's commit
 _HOOKS = PostCommitHookProperties(create_checkpoint=False, cleanup_expired_logs=False)
 # The log's schema: Delta needs one; no row is ever written.
 _SCHEMA = Schema.from_arrow(pa.schema([pa.field("commit", pa.int64())]))
@@ -175,7 +179,14 @@ class Snapshot:
         # history() lists newest first; the table may hold commits past `head` (see commit())
         newest = _head(self._table, self.log.app_id)
         entries = self._table.history(limit=None if after == 0 else newest - after + 1)
-        got = {int(e[COMMIT_KEY]): e[RECORD_KEY].encode() for e in entries if COMMIT_KEY in e and RECORD_KEY in e}
+        got: dict[int, bytes] = {}
+        for e in entries:
+            if COMMIT_KEY in e and RECORD_KEY in e:
+                n = int(e[COMMIT_KEY])
+                if n in got:
+                    raise CommitLogError(f"the commit log {self.log.root} has commit {n} twice (log versions "
+                                         f"of both: see its history); it cannot be trusted")
+                got[n] = e[RECORD_KEY].encode()
         want = range(after + 1, self.head + 1)
         missing = [n for n in want if n not in got]
         if missing:
@@ -202,15 +213,24 @@ class Snapshot:
         props = CommitProperties(
             custom_metadata={**(metadata or {}), COMMIT_KEY: str(n), RECORD_KEY: record.decode()},
             app_transactions=[Transaction(app_id=self.log.app_id, version=n)])
-        try:
-            table.create_write_transaction([], mode="append", schema=_SCHEMA, partition_by=[],
-                                           commit_properties=props, post_commithook_properties=_HOOKS)
-        except CommitFailedError as err:
-            if self.log.snapshot().head >= n:
-                raise CommitTaken(n, self.log.root) from None
-            raise CommitLogError(f"cannot make commit {n} of {self.log.root}: {err}") from err
-        except DeltaError as err:
-            raise CommitLogError(f"cannot make commit {n} of {self.log.root}: {err}") from err
+        for attempt in range(_ATTEMPTS):
+            try:
+                table.create_write_transaction([], mode="append", schema=_SCHEMA, partition_by=[],
+                                               commit_properties=props, post_commithook_properties=_HOOKS)
+                break
+            except DeltaError as err:
+                # Refused: mostly a rival's commit n (CommitFailedError, "Concurrent transaction failed"), but
+                # delta-rs also reports a lost race as other conflicts (seen: "Metadata changed since last
+                # commit"). The log itself says what happened: commit n is ours, a rival's, or not made.
+                now = self.log.snapshot()
+                if now.head >= n:
+                    if now.records(after=n - 1)[0] == record:
+                        break  # made after all (the error came after the log entry was written)
+                    raise CommitTaken(n, self.log.root) from None
+                if now.head != n - 1 or now._table is None or attempt == _ATTEMPTS - 1:
+                    raise CommitLogError(f"cannot make commit {n} of {self.log.root}: {err}") from err
+                table = now._table  # nothing was committed since this snapshot: the plan holds, try again
+                _logger.debug("commit %d of %s refused with no rival commit (%s): trying again", n, self.log.root, err)
         if self._records is None and self.head:
             self.records()
         latest = self.log._open()
