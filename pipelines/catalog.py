@@ -75,7 +75,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import duckdb
@@ -169,7 +169,7 @@ class Catalog:
 
     data: Path | str | None = None
     archive: Path | str | None = None
-    runs: tuple[Path, ...] = ()
+    runs: tuple[Path | str, ...] = ()
     version: str | None = None
     as_of: int | None = None
     tables: dict[str, TableFiles] = field(default_factory=dict)
@@ -385,23 +385,40 @@ def _version_rows(versions: dict[str, list[DatasetManifest]], shown: str | None)
     return pa.Table.from_pylist(rows, schema=schema)
 
 
-def _policy_rows(runs: Iterable[Path]) -> pa.Table:
+def _policy_files(run: Path | str) -> list[str]:
+    """``policies/v*/policy.json`` under a run directory or its children (local or ``s3://``), sorted."""
+    if not loc.is_remote(run):
+        return sorted(str(p) for p in {*Path(run).glob("policies/v*/policy.json"),
+                                       *Path(run).glob("*/policies/v*/policy.json")})
+    base = os.fspath(run).rstrip("/")
+    found = []
+    for path in loc.list_files(base, suffix="policy.json"):
+        parts = path[len(base) + 1:].split("/")  # policies/v<N>/policy.json or <run>/policies/v<N>/policy.json
+        if len(parts) in (3, 4) and parts[-1] == "policy.json" and parts[-3] == "policies" \
+                and parts[-2].startswith("v"):
+            found.append(path)
+    return sorted(found)
+
+
+def _policy_rows(runs: Iterable[Path | str]) -> pa.Table:
     rows = []
     seen: set[str] = set()
     for run in runs:
-        for path in sorted({*Path(run).glob("policies/v*/policy.json"), *Path(run).glob("*/policies/v*/policy.json")}):
-            if str(path.resolve()) in seen or path.parent.name.startswith("."):
+        for name in _policy_files(run):
+            path = PurePosixPath(name) if loc.is_remote(name) else Path(name)
+            key = name if loc.is_remote(name) else str(Path(name).resolve())
+            if key in seen or path.parent.name.startswith("."):
                 continue  # .v<N>.tmp: a policy being written
-            seen.add(str(path.resolve()))
+            seen.add(key)
             try:
-                rec = json.loads(path.read_bytes())
+                rec = json.loads(loc.read_bytes(name))
             except (OSError, json.JSONDecodeError):
                 continue
             rows.append({"version": rec.get("version"), "parent_version": rec.get("parent_version"),
                          "lineage": rec.get("lineage", ""), "train_step": rec.get("train_step"),
                          "format": rec.get("format", "merged"), "adapter": rec.get("adapter"),
-                         "base_model": rec.get("base_model", ""), "location": str(path.parent),
-                         "run": str(path.parent.parent.parent),
+                         "base_model": rec.get("base_model", ""), "location": name.rsplit("/", 1)[0],
+                         "run": name.rsplit("/", 3)[0] if loc.is_remote(name) else str(path.parent.parent.parent),
                          "created_at": msgspec.convert(rec.get("created_at"), datetime | None)})
     schema = pa.schema([("version", pa.int64()), ("parent_version", pa.int64()), ("lineage", pa.string()),
                         ("train_step", pa.int64()), ("format", pa.string()), ("adapter", pa.string()),
@@ -442,7 +459,7 @@ def open_catalog(
         data = os.fspath(data).rstrip("/") if loc.is_remote(data) else Path(data).resolve()
     if archive is not None:
         archive = os.fspath(archive).rstrip("/") if loc.is_remote(archive) else Path(archive).resolve()
-    cat = Catalog(data=data, archive=archive, runs=tuple(Path(r) for r in runs), as_of=as_of)
+    cat = Catalog(data=data, archive=archive, runs=tuple(r if loc.is_remote(r) else Path(r) for r in runs), as_of=as_of)
     if archive is not None:
         found = (loc.list_files(loc.join(archive, "_commits"), suffix=".json") if isinstance(archive, str)
                  else (archive / "_commits").is_dir())

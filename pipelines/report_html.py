@@ -27,6 +27,7 @@ from plotly.offline import get_plotlyjs
 
 from pipelines.catalog import Catalog
 from pipelines.reports import run_report
+from schemas import locations as loc
 
 __all__ = ["write_html_report", "CHARTS"]
 
@@ -163,10 +164,7 @@ text-align:left}}</style>
 {''.join(divs)}
 </body></html>
 """
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(out)
-    return {"out": str(out), "charts": len(CHARTS), "bytes": out.stat().st_size, **counts}
+    data = page.encode("utf-8")
+    loc.write_atomic(out, data)  # locally tmp + rename; on S3 one PUT (the object appears whole)
+    return {"out": str(out), "charts": len(CHARTS), "bytes": len(data), **counts}
 

@@ -7,6 +7,7 @@ flags into a catalog, runs the SQL and writes the result in the asked format.
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from datetime import datetime
@@ -54,7 +55,7 @@ def parse_as_of(value: int | str | None) -> int | datetime | None:
     return when
 
 
-def open_for_cli(*, data: Path | str | None, archive: Path | str | None, runs: Sequence[Path] = (),
+def open_for_cli(*, data: Path | str | None, archive: Path | str | None, runs: Sequence[Path | str] = (),
                  version: str | None = None, as_of: int | str | None = None) -> Catalog:
     """:func:`open_catalog` with command-line errors (flags named, what exists listed).
 
@@ -69,15 +70,17 @@ def open_for_cli(*, data: Path | str | None, archive: Path | str | None, runs: S
             there = ", ".join(sorted(p.name for p in parent.iterdir())[:12]) if parent.is_dir() else "nothing"
             raise AnalyticsError(f"`{flag}` {path} is not a directory; {parent} holds: {there}")
     as_of = parse_as_of(as_of)
-    remote = [(flag, p) for flag, p in (("--data", data), ("--archive", archive)) if p is not None and loc.is_remote(p)]
+    remote = [(flag, p) for flag, p in (("--data", data), ("--archive", archive), *(("--runs", r) for r in runs))
+              if p is not None and loc.is_remote(p)]
     flag = uri = None
+    writers = {"--data": ("a dataset", "pipeline run"), "--archive": ("an archive", "archive"),
+               "--runs": ("a training run", "train")}
     try:
         for flag, uri in remote:
             if not loc.exists(uri):
-                write = "pipeline run" if flag == "--data" else "archive"
+                what, write = writers[flag]
                 raise AnalyticsError(f"`{flag}` {uri} does not exist (no such bucket, or nothing under that prefix); "
-                                     f"write {'a dataset' if flag == '--data' else 'an archive'} there with "
-                                     f"`trajpipe {write} --out {uri}`")
+                                     f"write {what} there with `trajpipe {write} --out {uri}`")
         flag = uri = None
         return open_catalog(data=data, archive=archive, runs=runs, version=version, as_of=as_of)
     except CatalogError as err:
@@ -119,21 +122,26 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
 
 
-def write_result(table: pa.Table, *, fmt: str, out: Path | None, title: str | None = None) -> dict[str, Any] | None:
+def write_result(table: pa.Table, *, fmt: str, out: Path | str | None, title: str | None = None,
+                 ) -> dict[str, Any] | None:
     """Write ``table`` as ``fmt`` to ``out`` (stdout when None); returns counts when a file was written.
 
+    ``out`` is a local path or ``s3://BUCKET/KEY`` (the object appears whole when written).
     ``json`` is JSON Lines (one object per row); ``parquet`` needs ``out``.
     """
+    from schemas import locations as loc
+
     if fmt not in FORMATS:
         raise AnalyticsError(f"`--format` {fmt!r} is not one of {', '.join(FORMATS)}")
     if fmt == "parquet" and out is None:
         raise AnalyticsError("`--format parquet` writes a file: give `--out FILE.parquet`")
-    if out is not None and out.is_dir():
+    if out is not None and not loc.is_remote(out) and Path(out).is_dir():
         raise AnalyticsError(f"`--out` {out} is a directory; give a file path")
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        pq.write_table(table, out)
+        with loc.open_output(out) as sink:
+            pq.write_table(table, sink)
     elif fmt == "csv":
         import pyarrow.csv as pacsv
 
@@ -142,7 +150,8 @@ def write_result(table: pa.Table, *, fmt: str, out: Path | None, title: str | No
             pacsv.write_csv(table, sys.stdout.buffer)
             sys.stdout.buffer.flush()
         else:
-            pacsv.write_csv(table, out)
+            with loc.open_output(out) as sink:
+                pacsv.write_csv(table, sink)
     elif fmt == "json":
         text = "".join(json.dumps(row, default=_json_value) + "\n" for row in table.to_pylist())
         _emit(text, out)
@@ -156,21 +165,25 @@ def write_result(table: pa.Table, *, fmt: str, out: Path | None, title: str | No
         if out is None:
             Console().print(view)
         else:
-            with open(out, "w", encoding="utf-8") as f:
-                Console(file=f, width=200).print(view)
+            buf = io.StringIO()
+            Console(file=buf, width=200).print(view)
+            _emit(buf.getvalue(), out)
     return None if out is None else {"out": str(out), "format": fmt, "rows": table.num_rows}
 
 
-def _emit(text: str, out: Path | None) -> None:
+def _emit(text: str, out: Path | str | None) -> None:
+    from schemas import locations as loc
+
     if out is None:
         sys.stdout.write(text)
         sys.stdout.flush()
     else:
-        out.write_text(text, encoding="utf-8")
+        with loc.open_output(out) as sink:
+            sink.write(text.encode("utf-8"))
 
 
-def query_command(sql: str, *, data: Path | str | None, archive: Path | str | None, runs: Sequence[Path],
-                  version: str | None, as_of: int | str | None, fmt: str, out: Path | None) -> dict[str, Any] | None:
+def query_command(sql: str, *, data: Path | str | None, archive: Path | str | None, runs: Sequence[Path | str],
+                  version: str | None, as_of: int | str | None, fmt: str, out: Path | str | None) -> dict[str, Any] | None:
     """``trajpipe query``: returns counts when ``--out`` wrote a file."""
     if fmt not in FORMATS:
         raise AnalyticsError(f"`--format` {fmt!r} is not one of {', '.join(FORMATS)}")
@@ -181,7 +194,7 @@ def query_command(sql: str, *, data: Path | str | None, archive: Path | str | No
     return write_result(run_query(catalog, sql), fmt=fmt, out=out)
 
 
-def catalog_command(*, db: Path, data: Path | str | None, archive: Path | str | None, runs: Sequence[Path],
+def catalog_command(*, db: Path, data: Path | str | None, archive: Path | str | None, runs: Sequence[Path | str],
                     version: str | None, as_of: int | str | None) -> dict[str, Any]:
     """``trajpipe catalog``: write the DuckDB database file; returns its counts."""
     if db.is_dir():
@@ -195,8 +208,8 @@ def catalog_command(*, db: Path, data: Path | str | None, archive: Path | str | 
         raise AnalyticsError(str(err)) from err
 
 
-def report_command(name: str, *, data: Path | str | None, archive: Path | str | None, runs: Sequence[Path],
-                   version: str | None, as_of: int | str | None, fmt: str, out: Path | None) -> dict[str, Any] | None:
+def report_command(name: str, *, data: Path | str | None, archive: Path | str | None, runs: Sequence[Path | str],
+                   version: str | None, as_of: int | str | None, fmt: str, out: Path | str | None) -> dict[str, Any] | None:
     """``trajpipe report list|html|NAME``: returns counts when a file was written."""
     if name == "list":
         table = pa.Table.from_pylist([{"report": r.name, "title": r.title} for r in REPORTS.values()]

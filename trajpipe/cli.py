@@ -1016,16 +1016,17 @@ DataOpt = Annotated[Optional[Path], typer.Option("--data", help="dataset root (t
 ArchiveOpt = Annotated[Optional[Path], typer.Option("--archive", help="event archive (trajpipe archive --out): a "
                                                     "directory or s3://BUCKET/PREFIX", parser=_dataset_location,
                                                     metavar="PATH")]
-RunsOpt = Annotated[Optional[list[Path]], typer.Option("--runs", help="training run dir(s) (or their parent): "
-                                                       "policies/v*/policy.json become the `policies` view",
-                                                       parser=_local_location, metavar="PATH")]
+RunsOpt = Annotated[Optional[list[Path]], typer.Option("--runs", help="training run dir(s) (or their parent), "
+                                                       "directories or s3://BUCKET/PREFIX: policies/v*/policy.json "
+                                                       "become the `policies` view",
+                                                       parser=_dataset_location, metavar="PATH")]
 VersionOpt = Annotated[Optional[str], typer.Option("--version", help="dataset version <recipe>-<hash8> (or recipe "
                                                    "name), `all` for every one; default: the newest committed")]
 AsOfOpt = Annotated[Optional[str], typer.Option("--as-of", help="the version as of this commit number, or as of "
                                                  "this ISO 8601 time, e.g. 2026-12-02T10:15:00Z (default: newest)")]
 FormatOpt = Annotated[str, typer.Option("--format", help="table, csv, json or parquet")]
-OutOpt = Annotated[Optional[Path], typer.Option("--out", help="write to this file instead of stdout",
-                                                parser=_local_location, metavar="PATH")]
+OutOpt = Annotated[Optional[Path], typer.Option("--out", help="write to this file (or s3://BUCKET/KEY) instead of "
+                                                "stdout", parser=_dataset_location, metavar="PATH")]
 
 
 @app.command("query")
@@ -1037,6 +1038,8 @@ def query(
     """Query the archive and datasets with DuckDB (views: events, steps, trajectories, commits, ...)."""
     from trajpipe.analytics import query_command
 
+    if out is not None and isinstance(out, str):
+        _check_remote_out("--out", out)
     counts = query_command(sql, data=data, archive=archive, runs=runs or [], version=version, as_of=as_of, fmt=fmt,
                            out=out)
     if counts is not None:
@@ -1065,6 +1068,8 @@ def report(
     """Canned analyst reports; `html --out FILE` writes them all as charts in one self-contained page."""
     from trajpipe.analytics import report_command
 
+    if out is not None and isinstance(out, str):
+        _check_remote_out("--out", out)
     counts = report_command(name, data=data, archive=archive, runs=runs or [], version=version, as_of=as_of,
                             fmt=fmt, out=out)
     if counts is not None:

@@ -23,6 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors
@@ -154,9 +155,13 @@ def test_a_policy_published_to_s3_is_reloaded_by_the_rollout_with_the_same_weigh
     assert reload_policy(base, event, cache_dir=cache).location == policy.location
 
 
-def _train(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trajpipe", "train", *args], cwd=cwd, capture_output=True, text=True,
+def _trajpipe(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trajpipe", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PYTHONPATH": str(REPO), **env})
+
+
+def _train(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    return _trajpipe(["train", *args], env, cwd)
 
 
 def test_train_out_s3_as_a_command_and_bad_buckets_are_one_line(s3_env, tiny_model, dataset, tmp_path, request):
@@ -176,6 +181,25 @@ def test_train_out_s3_as_a_command_and_bad_buckets_are_one_line(s3_env, tiny_mod
     assert read_policy(loc.join(out, "policies", "v1")).train_step == 2
     assert len([d for d in _jsonl(loc.join(out, "metrics.jsonl")) if "train/loss" in d]) == 2  # steps taken
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]  # nothing written locally
+
+    # the analyst's side, all on the store: the run's published policy in `trajpipe query --runs s3://...`,
+    # the result written with `--out s3://...` (Parquet), read back from the store
+    result = loc.join(out, "analysis", "policies.parquet")
+    proc = _trajpipe(["query", "--data", str(dataset), "--runs", out, "--format", "parquet", "--out", result,
+                      "select version, train_step, run, location from policies"], s3_env.env(), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"out": result, "format": "parquet", "rows": 1}
+    with loc.open_input(result) as f:
+        rows = pq.read_table(f).to_pylist()
+    assert rows == [{"version": 1, "train_step": 2, "run": out, "location": loc.join(out, "policies", "v1")}]
+    for query_args, says in (
+            (["--runs", f"{out}-nothing-here"], "`--runs`"),
+            (["--out", f"s3://missing-{uuid.uuid4().hex[:8]}/x.json", "--format", "json"], "`--out`"),
+    ):
+        proc = _trajpipe(["query", "--data", str(dataset), *query_args, "select 1 as one"], s3_env.env(), tmp_path)
+        lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+        assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], proc.stderr
+        assert "Traceback" not in proc.stderr
 
     bucket = f"missing-{uuid.uuid4().hex[:8]}"
     wrong = {**s3_env.env(), "AWS_SECRET_ACCESS_KEY": "wrong"}

@@ -9,6 +9,7 @@ naming the flag and exit status 2, with nothing read from Kafka and nothing writ
 ``pipeline run --out`` writes ``s3://`` in both modes (tests/storage/test_pipeline_s3.py,
 tests/storage/test_stream_s3.py), the archiver and its readers (``archive --out``, batch ``pipeline run
 --archive``, ``query --archive``) take it (tests/storage/test_archive_s3.py), so does ``train --out``
+(tests/storage/test_trainer_s3.py), so do ``query --runs`` and ``query|report --out``
 (tests/storage/test_trainer_s3.py), and no command takes ``gs://``
 (the storage layer's scheme check).
 """
@@ -68,7 +69,9 @@ CASES = {
 #: for another scheme.
 GS_ONLY = ("train --data", "train data.dir in --config", "train --out", "query --data", "report --data", "loop run_dir in --config",
            # and the archive's writer and readers (tests/storage/test_archive_s3.py)
-           "archive --out", "pipeline run --archive", "query --archive", "feedback --archive", "feedback --data")
+           "archive --out", "pipeline run --archive", "query --archive", "feedback --archive", "feedback --data",
+           # and the analyst's outputs and run directories (tests/storage/test_trainer_s3.py)
+           "query --runs", "query --out", "report html --out")
 #: Run as real processes (the console script's path); the rest in-process through the same error handling.
 SUBPROCESS = ("archive --out", "train data.dir in --config")
 
