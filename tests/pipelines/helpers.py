@@ -23,7 +23,6 @@ def make_pipeline() -> TestPipeline:
 
 def write_archive(root: Path, commits: list[list[Event]], *, buckets: int = 4) -> Path:
     """Write an event archive (docs/archive.md) with one commit per list of events."""
-    (root / "_commits").mkdir(parents=True, exist_ok=True)
     offset = 0
     for n, events in enumerate(commits, start=1):
         positions = [(0, offset + i) for i in range(len(events))]

@@ -124,9 +124,9 @@ def test_crash_between_data_and_manifest_then_rerun(kafka_broker, topic_name, tm
     arch = _archiver(tmp_path, kafka_broker.bootstrap, topic_name, [], commit_every=200)
     with testhooks.crash_before_manifest(2), pytest.raises(ArchiveError, match="simulated crash"):
         arch.run()
-    # commit 1 is in place; commit 2's files exist only under temporary names
+    # commit 1 is in place; commit 2's files exist only under temporary names (which name the run)
     assert len(read_commits(tmp_path / "archive")) == 1
-    assert list((tmp_path / "archive").glob("bucket=*/*.parquet.tmp"))
+    assert list((tmp_path / "archive").glob("bucket=*/c00000002.parquet.*.tmp"))
     first_rows = _count(tmp_path / "archive")[0]
     assert 0 < first_rows < n
     counts = _archiver(tmp_path, kafka_broker.bootstrap, topic_name, [], commit_every=200).run()
@@ -146,13 +146,14 @@ def test_recover_rolls_forward_a_committed_manifest(tmp_path):
     from schemas.events import Feedback
 
     root = tmp_path / "a"
-    (root / "_commits").mkdir(parents=True)
     ev = Feedback(event_id="f", episode_id="e", seq=0, producer_id="p", domain="d", task_id="t", source="s")
-    m = write_commit(root, commit=1, topic="t", buckets=4, events=[ev], positions=[(0, 0)], offsets={})
+    m = write_commit(root, commit=1, topic="t", buckets=4, events=[ev], positions=[(0, 0)], offsets={}, run="r1")
     final = root / m.files[0]
-    final.rename(final.with_name(final.name + ".tmp"))  # as if the crash came after the manifest, before the rename
-    assert recover_archive(root) == 1
-    assert final.exists() and committed_files(root) == [final]
+    final.rename(final.with_name(final.name + ".r1.tmp"))  # as if the crash came after the commit, before the move
+    other = final.with_name(final.name + ".r0.tmp")  # a rival's (or crashed run's) file of the same commit
+    other.write_bytes(b"a loser's file")
+    assert recover_archive(root) == 2
+    assert final.exists() and not other.exists() and committed_files(root) == [final]
 
 
 def test_recover_adds_a_commit_missing_from_the_delta_table(tmp_path):
@@ -165,7 +166,6 @@ def test_recover_adds_a_commit_missing_from_the_delta_table(tmp_path):
     from streams.archive import ARCHIVE_DELTA_APP, write_commit
 
     root = tmp_path / "a"
-    (root / "_commits").mkdir(parents=True)
     evs = [Feedback(event_id=f"f{i}", episode_id=f"e{i}", seq=0, producer_id="p", domain="d", task_id="t",
                     source="s") for i in range(6)]
     write_commit(root, commit=1, topic="t", buckets=4, events=evs[:3], positions=[(0, i) for i in range(3)],
@@ -216,14 +216,17 @@ def test_damaged_archive_metadata_is_an_archive_error(tmp_path):
 
 
 def test_a_manifest_naming_a_file_outside_the_archive_is_an_archive_error(tmp_path):
-    from streams.archive import CommitManifest, PartitionRange, read_commits
+    from streams.archive import CommitManifest, PartitionRange, commit_log, read_commits
 
-    (tmp_path / "_commits").mkdir()
-    for outside in ("/etc/passwd", "../other/c00000001.parquet", "bucket=00/../../x.parquet"):
+    for i, outside in enumerate(("/etc/passwd", "../other/c00000001.parquet", "bucket=00/../../x.parquet")):
         manifest = CommitManifest(commit=1, topic="t", offsets={0: PartitionRange(0, 1)}, files=[outside], events=1)
-        (tmp_path / "_commits" / "00000001.json").write_bytes(msgspec.json.encode(manifest))
-        with pytest.raises(ArchiveError, match="outside the archive"):
-            read_commits(tmp_path)
+        in_log, legacy = tmp_path / f"log-{i}", tmp_path / f"legacy-{i}"
+        commit_log(in_log).snapshot().commit(msgspec.json.encode(manifest))  # the commit log's record
+        (legacy / "_commits").mkdir(parents=True)  # a manifest file of the earlier layout
+        (legacy / "_commits" / "00000001.json").write_bytes(msgspec.json.encode(manifest))
+        for root in (in_log, legacy):
+            with pytest.raises(ArchiveError, match="outside the archive"):
+                read_commits(root)
 
 
 def test_following_archiver_waits_for_a_broker_that_went_away(tmp_path, caplog):
@@ -257,3 +260,4 @@ def test_following_archiver_waits_for_a_broker_that_went_away(tmp_path, caplog):
     assert "error" not in result, result
     assert result["counts"].events == 0
     assert sum("Kafka unreachable" in r.getMessage() for r in caplog.records) >= 2
+
