@@ -355,3 +355,25 @@ def test_an_archive_of_the_earlier_layout_is_read_then_imported_and_continued(ka
     assert _count(archive) == (first + more, first + more)
     _offsets_contiguous(archive)
     _assert_delta_matches_manifests(archive)
+
+
+def test_recovery_of_an_archive_of_the_earlier_layout_imports_it_and_settles_its_temporary_files(tmp_path):
+    """A local archive that an earlier trajpipe left mid-commit: `_commits/` manifests and temporary files named
+    `c<n>.parquet.tmp` (no run). Recovery imports the manifests, rolls forward the file of the made commit and
+    removes the one no manifest names."""
+    from schemas.events import Feedback
+    from streams.archive import commit_log, write_commit
+
+    root = tmp_path / "a"
+    ev = Feedback(event_id="f", episode_id="e", seq=0, producer_id="p", domain="d", task_id="t", source="s")
+    m = write_commit(root, commit=1, topic="t", buckets=4, events=[ev], positions=[(0, 0)], offsets={})
+    legacy = _to_legacy_layout(root)
+    final = root / m.files[0]
+    final.rename(final.with_name(final.name + ".tmp"))  # the earlier layout's temporary name
+    orphan = root / "bucket=00" / "c00000002.parquet.tmp"  # a commit whose manifest was never written
+    orphan.parent.mkdir(exist_ok=True)
+    orphan.write_bytes(b"half a commit")
+    assert read_commits(root)[0].files == m.files  # read from _commits/ as it is
+    assert recover_archive(root) == 2
+    assert final.exists() and not orphan.exists() and not (root / "_commits").exists()
+    assert commit_log(root).snapshot().records() == legacy and committed_files(root) == [final]
