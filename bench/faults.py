@@ -340,19 +340,18 @@ def _archive_in_commit(archive: Path) -> bool:
             if entry.name.startswith("bucket=") and entry.is_dir():
                 if any(e.name.endswith(".tmp") for e in os.scandir(entry.path)):
                     return True
-        return any(e.name.endswith(".tmp") for e in os.scandir(archive / "_commits"))
     return False
 
 
 def _archive_after_commit_point(archive: Path) -> bool:
-    """Temporary data files whose manifest exists: killed between the commit point and the renames."""
+    """Temporary data files (``<file>.<run>.tmp``) of a made commit: killed between the commit point and the moves."""
     from streams.archive import read_commits
 
     with contextlib.suppress(Exception):
         commits = read_commits(archive)
         if commits and _archive_in_commit(archive):
             last = commits[-1]
-            return any((archive / (f + ".tmp")).exists() for f in _manifest_files(last))
+            return any(any(archive.glob(f + ".*.tmp")) for f in _manifest_files(last))
     return False
 
 

@@ -1,8 +1,8 @@
 """ReadArchiveEpisodes: a bounded source over the committed files of an event archive.
 
 The archive layout and commit protocol are in docs/archive.md: only files
-named by a ``_commits/<n>.json`` manifest are read (never ``*.tmp`` files of an
-unfinished commit). One element per file; each file becomes per-episode
+named by a manifest in the archive's commit log (``_commit_log/``) are read (never
+``*.tmp`` files of an unfinished commit). One element per file; each file becomes per-episode
 fragments ``(episode_id, list[Event])`` through a columnar conversion
 (:func:`table_to_fragments`) that slices token arrays straight out of the Arrow
 buffers instead of going through Python lists (``schemas.arrow.table_to_events``
@@ -90,18 +90,13 @@ def list_archive_files(archive_dir: str | Path, *, skip_commits: Sequence[int] =
         skip_commits: commits already consumed (e.g. named by a dataset manifest).
 
     Raises:
-        FileNotFoundError: ``archive_dir`` has no ``_commits/`` directory.
+        FileNotFoundError: ``archive_dir`` holds no event archive (no ``_archive.json``, ``_commit_log/``).
     """
-    from streams.archive import read_commits  # the archive's own manifest reader
+    from streams.archive import is_archive, read_commits  # the archive's own manifest reader
 
-    if loc.is_remote(archive_dir):
-        root = os.fspath(archive_dir).rstrip("/")
-        if not loc.list_files(loc.join(root, "_commits"), suffix=".json"):
-            raise FileNotFoundError(f"`--archive` {root} is not an event archive (no _commits/ manifests)")
-    else:
-        root = Path(archive_dir)
-        if not (root / "_commits").is_dir():
-            raise FileNotFoundError(f"`--archive` {root} is not an event archive (no _commits/ directory)")
+    root: str | Path = os.fspath(archive_dir).rstrip("/") if loc.is_remote(archive_dir) else Path(archive_dir)
+    if not is_archive(root):
+        raise FileNotFoundError(f"`--archive` {root} is not an event archive (no _archive.json, no _commit_log/)")
     skip = set(skip_commits)
     return [
         ArchiveFile(path=loc.join(root, f) if isinstance(root, str) else str(root / f), commit=c.commit,

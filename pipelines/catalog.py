@@ -10,7 +10,8 @@ of layout, e.g. to Delta tables, touches only this file):
   table a job commits the same way (``evaluations``, ``feedback``,
   ``corrections`` once those jobs write them): a top-level directory of
   ``<data>`` is a table.
-* ``<archive>/_commits/<n>.json`` + ``bucket=NN/c<n>.parquet`` — the event archive.
+* ``<archive>/_commit_log/`` (commit ``n``'s record is its manifest) + ``bucket=NN/c<n>.parquet`` — the event
+  archive (:func:`streams.archive.read_commits` reads its manifests).
 * ``<run>/policies/v<N>/policy.json`` — the policy store of a training run.
 
 Views (each only if its table has data):
@@ -88,7 +89,7 @@ import pyarrow.parquet as pq
 
 from pipelines.commit import CommitError, DatasetLayout, DatasetManifest, read_manifests
 from schemas import locations as loc
-from streams.archive import read_commits
+from streams.archive import is_archive, read_commits
 
 __all__ = [
     "CatalogError",
@@ -461,10 +462,9 @@ def open_catalog(
         archive = os.fspath(archive).rstrip("/") if loc.is_remote(archive) else Path(archive).resolve()
     cat = Catalog(data=data, archive=archive, runs=tuple(r if loc.is_remote(r) else Path(r) for r in runs), as_of=as_of)
     if archive is not None:
-        found = (loc.list_files(loc.join(archive, "_commits"), suffix=".json") if isinstance(archive, str)
-                 else (archive / "_commits").is_dir())
-        if not found:
-            raise CatalogError(f"{archive} is not an event archive (no _commits/); it holds {_what_is_there(archive)}")
+        if not is_archive(archive):
+            raise CatalogError(f"{archive} is not an event archive (no _archive.json, no _commit_log/); it holds "
+                               f"{_what_is_there(archive)}")
         commits = [c for c in read_commits(archive) if c.files]
         if commits:
             cat.tables["events"] = TableFiles("events", tuple(loc.join(str(archive), f) for c in commits
@@ -472,8 +472,9 @@ def open_catalog(
                                               commit=commits[-1].commit,
                                               schema_files=tuple(loc.join(str(archive), c.files[0]) for c in commits))
     if data is not None:
-        if loc.exists(loc.join(str(data), "_commits")):
-            raise CatalogError(f"{data} holds no dataset: it is an event archive (_commits/); give it as `--archive`")
+        if is_archive(data):
+            raise CatalogError(f"{data} holds no dataset: it is an event archive (_archive.json); give it as "
+                               "`--archive`")
         cat.versions = versions = _dataset_versions(data)
         tables = _table_dirs(data)
         if not versions and not tables:

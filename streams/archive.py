@@ -3,8 +3,9 @@
 The archive is the event store of record (layout and commit protocol in
 docs/archive.md). Each commit consumes an offset range per partition, writes
 the decoded events bucketed by episode and sorted by ``(episode_id, seq)``,
-and records the range in a manifest that is the commit point, so a crash at
-any moment followed by a rerun yields exactly the same rows.
+and records the range in a manifest; the manifest's commit to the archive's
+commit log is the commit point, so a crash at any moment followed by a rerun
+yields exactly the same rows.
 
 Run it::
 
@@ -12,13 +13,24 @@ Run it::
     trajpipe archive --bootstrap 127.0.0.1:9092 --out s3://bucket/archive --until-end
 
 The archive is a local directory or ``s3://BUCKET/PREFIX``: every file goes through
-:mod:`schemas.locations`. An object store has no rename and no lock, so there a commit's data
-files are written under temporary names that carry the writing run's id
-(``bucket=NN/c<n>.parquet.<run>.tmp``), its manifest is written create-only (``If-None-Match: *``)
-and names the run (key ``run``), and the files are then moved (copy + delete) to the same names
-as locally. Of two archivers racing for commit ``n`` one writes the manifest; the other deletes
-its temporary files and raises :class:`ArchiveConflict` (nothing is lost: its offsets are not in
-any manifest, so the next run reads them again).
+:mod:`schemas.locations`, and one protocol serves both (an object store has no rename and
+no lock, so the protocol asks for neither):
+
+1. plan commit ``n`` from a snapshot of the commit log ``<archive>/_commit_log/``
+   (:class:`schemas.commit_log.CommitLog`, app id :data:`ARCHIVE_LOG_APP`): its records are the
+   manifests, whose end offsets are where the commit starts;
+2. write the data files under temporary names that carry the writing run's id
+   (``bucket=NN/c<n>.parquet.<run>.tmp``);
+3. commit the manifest (naming the run, key ``run``) against that snapshot: the commit point;
+4. move the files to their names (``bucket=NN/c<n>.parquet``) and add them to the archive's
+   Delta table (``<archive>/_delta_log``).
+
+Of two archivers racing for commit ``n`` one commits; the log refuses the other
+(:class:`schemas.commit_log.CommitTaken`), which deletes its temporary files and raises
+:class:`ArchiveConflict` (nothing is lost: its offsets are in no manifest, so the next run reads
+them again). Recovery never touches temporary files of a commit not made yet (a live rival's).
+An archive of the earlier layout (one ``_commits/<n>.json`` file per manifest) is read as it is,
+and its first archiver run imports the manifests into the log, byte for byte, then removes them.
 
 Examples:
     >>> bucket_of("synth-0-00000001", 16) == bucket_of("synth-0-00000001", 16)
@@ -50,7 +62,8 @@ from schemas.arrow import events_to_table
 from schemas.codec import EventDecodeError, decode_event
 from schemas.delta import META_PREFIX, add_files, txn_version
 from schemas.events import SCHEMA_VERSION, Event
-from schemas.storage import atomic_write, fsync_dir
+from schemas.commit_log import CommitLog, CommitLogError, CommitTaken, Snapshot
+from schemas.storage import fsync_dir
 from streams import testhooks
 from streams.config import KafkaConnection
 from streams.consumer import OffsetRange, StreamTimeoutError, end_offsets
@@ -63,8 +76,11 @@ __all__ = [
     "ArchiveConflict",
     "ArchiveCounts",
     "CommitManifest",
+    "ARCHIVE_LOG_APP",
     "bucket_of",
+    "commit_log",
     "committed_files",
+    "is_archive",
     "read_commits",
     "recover_archive",
     "write_commit",
@@ -75,7 +91,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 ARCHIVE_FORMAT = 1
-_TMP_SUFFIX = ".parquet.tmp"
 
 
 class ArchiveError(RuntimeError):
@@ -83,7 +98,7 @@ class ArchiveError(RuntimeError):
 
 
 class ArchiveConflict(ArchiveError):
-    """Another archiver made this commit first (object stores: the create-only manifest write lost).
+    """Another archiver made this commit first (the commit log refused this one's).
 
     This run's temporary files are deleted; nothing it read is lost (its offsets are in no
     manifest: the next run reads them again).
@@ -126,7 +141,7 @@ class PartitionRange(msgspec.Struct, frozen=True):
 
 
 class CommitManifest(msgspec.Struct, kw_only=True):
-    """One archive commit (``_commits/<n>.json``).
+    """One archive commit: the record of commit ``n`` in the archive's commit log (``_commit_log/``).
 
     Attributes:
         commit: commit number, from 1, gap-free.
@@ -150,16 +165,12 @@ class CommitManifest(msgspec.Struct, kw_only=True):
 
 
 class _StagedManifest(CommitManifest, kw_only=True):
-    """An object-store commit manifest: also names the run whose temporary files it commits.
+    """A commit manifest as the log records it: also names the run whose temporary files it commits.
 
     Readers decode it as :class:`CommitManifest` (the extra key is ignored).
     """
 
     run: str
-
-
-class _Run(msgspec.Struct):
-    run: str = ""
 
 
 #: The Delta application-transaction id of the archive's commits (version = commit number).
@@ -209,48 +220,95 @@ def _init_archive(root: Location, *, topic: str, buckets: int) -> dict[str, Any]
     root = _root(root)
     meta_path = _at(root, "_archive.json")
     meta = {"format": ARCHIVE_FORMAT, "buckets": buckets, "topic": topic}
-    if isinstance(root, str):  # object store: create-only, so two first archivers agree on one bucket count
-        try:
-            loc.write_new(meta_path, json.dumps(meta).encode())
-            return meta
-        except FileExistsError:
-            return _check_meta(root, meta_path, loc.read_bytes(meta_path), topic=topic)
-    if meta_path.exists():
-        return _check_meta(root, meta_path, meta_path.read_bytes(), topic=topic)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "_commits").mkdir(exist_ok=True)
-    atomic_write(meta_path, json.dumps(meta).encode())
-    return meta
+    try:  # create-only, so two first archivers agree on one bucket count
+        loc.write_new(meta_path, json.dumps(meta).encode())
+        return meta
+    except FileExistsError:
+        return _check_meta(root, meta_path, loc.read_bytes(meta_path), topic=topic)
 
 
-def _manifest_files(root: Location) -> list[Location]:
-    if isinstance(root, str):
-        return list(loc.list_files(loc.join(root, "_commits"), suffix=".json"))
-    return sorted((root / "_commits").glob("*.json"))
+#: The application transaction id of the archive's commit log (``<archive>/_commit_log/``).
+ARCHIVE_LOG_APP = "trajpipe.archive.commits"
 
 
-def read_commits(root: Location) -> list[CommitManifest]:
-    """All commit manifests of an archive (a local directory or an ``s3://`` URI), in commit order.
+def commit_log(root: Location) -> CommitLog:
+    """The archive's commit log, ``<root>/_commit_log/``: commit ``n``'s record is manifest ``n`` (JSON)."""
+    return CommitLog(loc.join(_root(root), "_commit_log"), app_id=ARCHIVE_LOG_APP)
+
+
+def is_archive(root: Location) -> bool:
+    """Whether ``root`` holds an event archive (its metadata, its commit log, or manifests of the earlier layout).
 
     Raises:
-        ArchiveError: a manifest is unreadable, names a file outside the archive, or commit numbers have a gap.
+        OSError: an object store could not be read.
+
+    Examples:
+        >>> is_archive(Path("/nonexistent"))
+        False
     """
-    commits = []
     root = _root(root)
-    for path in _manifest_files(root):
-        try:
-            commits.append(msgspec.json.decode(loc.read_bytes(path), type=CommitManifest))
-        except msgspec.DecodeError as err:
-            raise ArchiveError(f"commit manifest {path} is unreadable: {err}") from err
-        for f in commits[-1].files:  # data files live in the archive: never read (or rename) anything else
-            rel = PurePosixPath(f)
-            if rel.is_absolute() or ".." in rel.parts or not rel.parts or "\\" in f or "\x00" in f:
-                raise ArchiveError(f"commit manifest {path} names file {f!r}, outside the archive; a manifest "
-                                   "lists paths relative to the archive root (bucket=NN/cNNNNNNNN.parquet)")
+    return any(loc.exists(_at(root, p)) for p in ("_archive.json", "_commit_log/_delta_log", "_commits"))
+
+
+def _legacy_manifests(root: Location) -> list[tuple[str, bytes]]:
+    """``(path, bytes)`` of each manifest file of the earlier layout (``_commits/<n>.json``), in name order.
+
+    The read-only fallback of an archive no archiver of this version has run on yet (the next one imports them).
+    """
+    return [(str(p), loc.read_bytes(p)) for p in loc.list_files(_at(root, "_commits"), suffix=".json")
+            if not PurePosixPath(str(p)).name.startswith(".")]
+
+
+def _records(root: Location, snapshot: Snapshot | None = None) -> list[tuple[str, bytes]]:
+    """``(where, bytes)`` of every manifest: the commit log's records (of ``snapshot``, or a fresh one), or
+    the legacy manifest files where the archive has no log yet."""
+    clog = snapshot.log if snapshot is not None else commit_log(root)
+    try:
+        if snapshot is None:
+            if not clog.exists():
+                return _legacy_manifests(root)
+            snapshot = clog.snapshot()
+        return [(f"{clog.root} commit {n}", r) for n, r in enumerate(snapshot.records(), start=1)]
+    except CommitLogError as err:
+        raise ArchiveError(f"archive {root}: {err}") from err
+
+
+def _decode(where: str, data: bytes) -> CommitManifest:
+    try:
+        manifest = msgspec.json.decode(data, type=CommitManifest)
+    except msgspec.DecodeError as err:
+        raise ArchiveError(f"commit manifest {where} is unreadable: {err}") from err
+    for f in manifest.files:  # data files live in the archive: never read (or rename) anything else
+        rel = PurePosixPath(f)
+        if rel.is_absolute() or ".." in rel.parts or not rel.parts or "\\" in f or "\x00" in f:
+            raise ArchiveError(f"commit manifest {where} names file {f!r}, outside the archive; a manifest "
+                               "lists paths relative to the archive root (bucket=NN/cNNNNNNNN.parquet)")
+    return manifest
+
+
+def _decode_all(root: Location, records: Sequence[tuple[str, bytes]]) -> list[CommitManifest]:
+    commits = [_decode(where, data) for where, data in records]
     for i, c in enumerate(commits, start=1):
         if c.commit != i:
             raise ArchiveError(f"archive {root}: commit {i} is missing (found {c.commit})")
     return commits
+
+
+def read_commits(root: Location, *, snapshot: Snapshot | None = None) -> list[CommitManifest]:
+    """All commit manifests of an archive (a local directory or an ``s3://`` URI), in commit order.
+
+    They are the records of its commit log (as of ``snapshot``, default now); an archive of the earlier
+    layout (``_commits/<n>.json``, no log yet) is read from those files.
+
+    Raises:
+        ArchiveError: a manifest is unreadable, names a file outside the archive, or commit numbers have a gap.
+
+    Examples:
+        >>> read_commits(Path("/nonexistent"))
+        []
+    """
+    root = _root(root)
+    return _decode_all(root, _records(root, snapshot))
 
 
 def committed_files(root: Location) -> list[Location]:
@@ -264,71 +322,102 @@ def committed_files(root: Location) -> list[Location]:
     return [_at(root, f) for c in read_commits(root) for f in c.files]
 
 
-def recover_archive(root: Location) -> int:
-    """Finish or undo an interrupted commit; returns the number of files fixed.
-
-    A commit whose manifest exists is rolled forward (its temporary files are
-    renamed into place, then added to the Delta table if they are not in it yet);
-    temporary files without a manifest are removed. On an object store (no lock:
-    another archiver may be at work) temporary files of a commit not made yet are
-    left alone; once it is made, those of runs other than the one its manifest
-    names are removed.
-    """
-    root = _root(root)
-    if isinstance(root, str):
-        return _recover_remote(root)
-    if not (root / "_commits").exists():
+def _import_legacy(root: Location) -> int:
+    """Import the manifest files of the earlier layout into the commit log (same bytes, in order), then remove
+    them; how many were imported. Another archiver importing at the same time is no error (same records)."""
+    legacy = _legacy_manifests(root)
+    if not legacy:
         return 0
-    fixed = 0
-    commits = read_commits(root)
-    wanted = {f for c in commits for f in c.files}
-    for tmp in root.glob(f"bucket=*/*{_TMP_SUFFIX}"):
-        final = tmp.with_name(tmp.name[: -len(".tmp")])
-        rel = str(final.relative_to(root))
-        if rel in wanted and not final.exists():
-            os.replace(tmp, final)
-            log.info("rolled commit file forward: %s", rel)
-        else:
-            tmp.unlink()
-            log.info("removed uncommitted file: %s", tmp.relative_to(root))
-        fixed += 1
-    for stale in (root / "_commits").glob(".*.tmp"):
-        stale.unlink()
-    return fixed + _catch_up_delta(root, commits)
+    _decode_all(root, legacy)  # a damaged one is refused before anything is imported
+    clog = commit_log(root)
+    imported = 0
+    try:
+        snap = clog.snapshot()
+        while snap.head < len(legacy):
+            try:
+                snap.commit(legacy[snap.head][1], metadata={"trajpipe.imported_from": legacy[snap.head][0]})
+                imported += 1
+            except CommitTaken:
+                snap = clog.snapshot()
+        if snap.records()[: len(legacy)] != [data for _, data in legacy]:
+            raise ArchiveError(f"archive {root}: the commit log _commit_log/ and the manifests in _commits/ "
+                               "disagree; remove the one that is wrong")
+    except CommitLogError as err:
+        raise ArchiveError(f"archive {root}: {err}") from err
+    loc.delete_dir(_at(root, "_commits"))
+    if imported:
+        log.info("imported %s manifests of %s (_commits/) into its commit log", imported, root)
+    return imported
 
 
-def _remote_tmp_name(rel: str, run: str) -> str:
-    """``bucket=NN/c<n>.parquet`` -> its temporary name on an object store, ``...parquet.<run>.tmp``."""
+def _snapshot(root: Location, *, import_legacy: bool = True) -> Snapshot:
+    """The commit log as it is now, the earlier layout's manifests imported first (writers only)."""
+    if import_legacy:
+        _import_legacy(root)
+    try:
+        return commit_log(root).snapshot()
+    except CommitLogError as err:
+        raise ArchiveError(f"archive {root}: {err}") from err
+
+
+def _tmp_name(rel: str, run: str) -> str:
+    """``bucket=NN/c<n>.parquet`` -> its temporary name while run ``run`` writes it: ``...parquet.<run>.tmp``."""
     return f"{rel}.{run}.tmp"
 
 
-def _recover_remote(root: str) -> int:
-    commits = read_commits(root)
+class _Run(msgspec.Struct):
+    run: str = ""
+
+
+def recover_archive(root: Location) -> int:
+    """Finish or undo interrupted commits; returns the number of files fixed.
+
+    Manifests of the earlier layout are imported into the commit log first. A temporary data file
+    (``bucket=NN/c<n>.parquet.<run>.tmp``) of a commit that is made is moved into place if the
+    commit's manifest names its run, and removed otherwise; one of a commit not made yet is left
+    alone (another archiver may be writing it; once the commit is made, the next recovery decides).
+    Commits the Delta table lacks are then added to it, in order. Safe beside a live archiver.
+    """
+    root = _root(root)
+    if not is_archive(root):
+        return 0
+    snap = _snapshot(root)
+    records = _records(root, snap)
+    commits = _decode_all(root, records)
+    runs = {c.commit: msgspec.json.decode(data, type=_Run).run for c, (_, data) in zip(commits, records)}
     wanted = {f for c in commits for f in c.files}
-    runs: dict[int, str] = {}
     fixed = 0
+    prefix = len(os.fspath(root).rstrip("/")) + 1
     for tmp in loc.list_files(root, suffix=".tmp"):
-        rel_tmp = tmp[len(root) + 1:]
-        bucket, _, name = rel_tmp.partition("/")
-        parts = name.split(".")  # c<n>, parquet, <run>, tmp
-        if not bucket.startswith("bucket=") or "/" in name or len(parts) != 4 or not parts[0][1:].isdigit():
+        bucket, _, name = tmp[prefix:].partition("/")
+        parts = name.split(".")  # c<n>, parquet, <run>, tmp (c<n>, parquet, tmp: a local one of the earlier layout)
+        if not bucket.startswith("bucket=") or "/" in name or len(parts) not in (3, 4) or parts[1] != "parquet" \
+                or not parts[0][1:].isdigit():
             continue
-        n, run, rel = int(parts[0][1:]), parts[2], f"{bucket}/{parts[0]}.parquet"
-        if n > len(commits):
+        n, rel = int(parts[0][1:]), f"{bucket}/{parts[0]}.parquet"
+        if len(parts) == 4 and n > snap.head:
             log.info("leaving %s: commit %s is not made yet (another archiver's, or a crashed one's until it is)",
-                     rel_tmp, n)
+                     tmp[prefix:], n)
             continue
-        if n not in runs:
-            runs[n] = msgspec.json.decode(loc.read_bytes(loc.join(root, "_commits", f"{n:08d}.json")), type=_Run).run
-        final = loc.join(root, rel)
-        if rel in wanted and run == runs[n] and not loc.exists(final):
-            loc.move(tmp, final)
+        ours = len(parts) == 3 or parts[2] == runs.get(n)
+        final = _at(root, rel)
+        if ours and rel in wanted and not loc.exists(final):
+            _move_into_place(tmp, final)
             log.info("rolled commit file forward: %s", rel)
         else:
             loc.delete_file(tmp)
-            log.info("removed uncommitted file: %s", rel_tmp)
+            log.info("removed uncommitted file: %s", tmp[prefix:])
         fixed += 1
     return fixed + _catch_up_delta(root, commits)
+
+
+def _move_into_place(tmp: Location, final: Location) -> None:
+    """Move a committed file to its name; done already (by a recovery beside this writer) is no error."""
+    try:
+        loc.move(tmp, final)
+    except FileNotFoundError:
+        if not loc.exists(final):
+            raise
 
 
 def _catch_up_delta(root: Location, commits: Sequence[CommitManifest]) -> int:
@@ -352,8 +441,10 @@ def write_commit(
     offsets: dict[int, PartitionRange],
     dead_letters: int = 0,
     run: str | None = None,
+    snapshot: Snapshot | None = None,
 ) -> CommitManifest:
-    """Write one commit: data files (temporary names) → manifest (commit point) → rename → Delta transaction.
+    """Write one commit: data files (temporary names) → manifest into the commit log (commit point) → moves →
+    Delta transaction.
 
     Args:
         root: archive directory, or ``s3://BUCKET/PREFIX``.
@@ -364,15 +455,23 @@ def write_commit(
         positions: ``(partition, offset)`` of each event.
         offsets: the consumed range per partition.
         dead_letters: how many messages of the range went to dead letters.
-        run: (object stores) this writer's id in the temporary file names and the manifest; default: a new one.
+        run: this writer's id in the temporary file names and the manifest; default: a new one.
+        snapshot: the commit log snapshot the commit was planned from (its head is ``commit - 1``); the
+            commit is refused if any commit was made since. Default: the log as it is now.
 
     Raises:
-        ArchiveConflict: (object stores) another archiver made commit ``commit`` first; this
-            commit's temporary files are deleted.
+        ArchiveConflict: another archiver made commit ``commit`` first; this commit's temporary files are
+            deleted.
+        ArchiveError: ``commit`` does not follow the log's head, or the log refused the commit for another
+            reason (the temporary files are left to recovery).
     """
     root = _root(root)
-    remote = isinstance(root, str)
     run = run or uuid.uuid4().hex[:12]
+    snapshot = snapshot if snapshot is not None else _snapshot(root)
+    if snapshot.head >= commit:
+        raise _conflict(root, commit, len(events))
+    if snapshot.head != commit - 1:
+        raise ArchiveError(f"archive {root}: commit {commit} does not follow its last commit {snapshot.head}")
     by_bucket: dict[int, list[int]] = defaultdict(list)
     for i, ev in enumerate(events):
         by_bucket[bucket_of(ev.episode_id, buckets)].append(i)
@@ -381,14 +480,12 @@ def write_commit(
         idx = sorted(by_bucket[b], key=lambda i: (events[i].episode_id, events[i].seq, positions[i]))
         table = events_to_table([events[i] for i in idx], [positions[i] for i in idx])
         rel = f"bucket={b:02d}/c{commit:08d}.parquet"
-        if remote:
-            tmp = loc.join(root, _remote_tmp_name(rel, run))
-            fs, path = loc.filesystem(tmp)
-            pq.write_table(table, path, filesystem=fs, compression="zstd")  # one object, whole or absent
-        else:
-            tmp = root / (rel + ".tmp")
+        tmp = _at(root, _tmp_name(rel, run))
+        fs, path = loc.filesystem(tmp)
+        if isinstance(root, Path):
             tmp.parent.mkdir(parents=True, exist_ok=True)
-            pq.write_table(table, tmp, compression="zstd")
+        pq.write_table(table, path, filesystem=fs, compression="zstd")  # on S3 one object, whole or absent
+        if isinstance(root, Path):
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
         files.append(rel)
@@ -399,29 +496,40 @@ def write_commit(
     manifest = CommitManifest(
         commit=commit, topic=topic, offsets=offsets, files=files, events=len(events), dead_letters=dead_letters
     )
-    if remote:
-        staged = _StagedManifest(**msgspec.structs.asdict(manifest), run=run)
-        try:
-            loc.write_new(loc.join(root, "_commits", f"{commit:08d}.json"), msgspec.json.encode(staged))
-        except FileExistsError:
-            for tmp in tmps:
-                loc.delete_file(tmp)
-            raise ArchiveConflict(
-                f"another archiver made commit {commit} of {root} first; this run's {len(events)} events were not "
-                "archived and nothing of them is lost (their offsets are in no manifest): rerun to continue from "
-                "that commit") from None
-        for tmp, rel in zip(tmps, files):
-            loc.move(tmp, loc.join(root, rel))
-    else:
-        atomic_write(root / "_commits" / f"{commit:08d}.json", msgspec.json.encode(manifest))
-        for rel in files:
-            os.replace(root / (rel + ".tmp"), root / rel)
+    staged = _StagedManifest(**msgspec.structs.asdict(manifest), run=run)
+    try:
+        snapshot.commit(msgspec.json.encode(staged))
+    except CommitTaken:
+        for tmp in tmps:
+            loc.delete_file(tmp)
+        raise _conflict(root, commit, len(events)) from None
+    except CommitLogError as err:  # made or not: recovery moves or removes the files by the log
+        raise ArchiveError(f"archive {root}: {err}") from err
+    for tmp, rel in zip(tmps, files):
+        _move_into_place(tmp, _at(root, rel))
+    if isinstance(root, Path):
         for d in {(root / rel).parent for rel in files}:
             fsync_dir(d)
     if txn_version(root, ARCHIVE_DELTA_APP) < commit - 1:  # an earlier commit is missing from the table
-        _catch_up_delta(root, read_commits(root)[: commit - 1])
+        _catch_up_delta(root, read_commits(root, snapshot=snapshot)[: commit - 1])
     _publish_delta(root, manifest, rows)
     return manifest
+
+
+def _conflict(root: Location, commit: int, events: int) -> ArchiveConflict:
+    return ArchiveConflict(
+        f"another archiver made commit {commit} of {root} first; this run's {events} events were not "
+        "archived and nothing of them is lost (their offsets are in no manifest): rerun to continue from "
+        "that commit")
+
+
+def _next_offsets(commits: Sequence[CommitManifest]) -> dict[int, int]:
+    """Next offset to read per partition after ``commits``."""
+    offsets: dict[int, int] = {}
+    for c in commits:
+        for p, r in c.offsets.items():
+            offsets[int(p)] = max(offsets.get(int(p), 0), r.end)
+    return offsets
 
 
 class Archiver:
@@ -456,7 +564,7 @@ class Archiver:
         if commit_every < 1:
             raise ValueError("`commit_every` must be >= 1")
         self.out = _root(out)
-        self._run = uuid.uuid4().hex[:12]  # names this run's temporary files on an object store
+        self._run = uuid.uuid4().hex[:12]  # names this run's temporary files and its manifests
         self.conn = conn
         self.topic = topic
         self._dead_letter = dead_letter
@@ -468,16 +576,7 @@ class Archiver:
 
     def committed_offsets(self) -> dict[int, int]:
         """Next offset to read per partition, from the manifests."""
-        return self._committed()[0]
-
-    def _committed(self) -> tuple[dict[int, int], int]:
-        """Next offset to read per partition, and the number of commits, from one read of the manifests."""
-        offsets: dict[int, int] = {}
-        commits = read_commits(self.out)
-        for c in commits:
-            for p, r in c.offsets.items():
-                offsets[int(p)] = max(offsets.get(int(p), 0), r.end)
-        return offsets, len(commits)
+        return _next_offsets(read_commits(self.out))
 
     def run(self, *, until_end: bool = True, stop: threading.Event | None = None, poll_interval_s: float = 1.0,
             retry_s: float = 2.0) -> ArchiveCounts:
@@ -494,8 +593,7 @@ class Archiver:
         while not stop.is_set():
             try:
                 self._follow(counts, stop, until_end=until_end, poll_interval_s=poll_interval_s)
-                if isinstance(self.out, str):  # temporary files of commits made meanwhile by another (crashed) run
-                    recover_archive(self.out)
+                recover_archive(self.out)  # temporary files of commits made meanwhile by another (crashed) run
                 return counts
             except (KafkaError, KafkaUnavailable, StreamTimeoutError) as err:
                 if until_end:
@@ -509,7 +607,8 @@ class Archiver:
                 poll_interval_s: float) -> None:
         with kafka_access_errors(self.conn, what=f"read topic {self.topic!r}"), PartitionReader(self.conn) as reader:
             while not stop.is_set():
-                start, made = self._committed()
+                snapshot = _snapshot(self.out, import_legacy=False)  # imported by run()'s recovery; the plan: commit head + 1, from the manifests' end offsets
+                start = _next_offsets(read_commits(self.out, snapshot=snapshot))
                 end = end_offsets(self.conn, self.topic)
                 ranges = [
                     OffsetRange(topic=self.topic, partition=p, start=start.get(p, 0), end=e)
@@ -517,33 +616,31 @@ class Archiver:
                     if e > start.get(p, 0)
                 ]
                 if ranges:
-                    self._drain(ranges, reader, counts, stop, first_commit=made + 1)
+                    self._drain(ranges, reader, counts, stop, snapshot=snapshot)
                 if until_end:
                     return
                 stop.wait(poll_interval_s)
 
     def _drain(self, ranges: list[OffsetRange], reader: PartitionReader, counts: ArchiveCounts,
-               stop: threading.Event, *, first_commit: int) -> None:
+               stop: threading.Event, *, snapshot: Snapshot) -> None:
         events: list[Event] = []
         positions: list[tuple[int, int]] = []
         covered: dict[int, list[int]] = {}
         dead = 0
         pending = 0
-        # The commit numbers follow the manifests the start offsets came from: an archiver that
-        # raced another for one finds the number taken (object stores: ArchiveConflict).
-        n = first_commit
 
         def commit() -> None:
-            nonlocal events, positions, covered, dead, pending, n
+            # Committed against the snapshot the start offsets came from (it moves on with each commit of
+            # ours): an archiver that raced another finds the number taken (ArchiveConflict).
+            nonlocal events, positions, covered, dead, pending
             if not covered:
                 return
             self._flush_dead_letters()
             write_commit(
-                self.out, commit=n, topic=self.topic, buckets=self.buckets, events=events, positions=positions,
-                offsets={p: PartitionRange(s, e) for p, (s, e) in covered.items()}, dead_letters=dead,
-                run=self._run,
+                self.out, commit=snapshot.head + 1, topic=self.topic, buckets=self.buckets, events=events,
+                positions=positions, offsets={p: PartitionRange(s, e) for p, (s, e) in covered.items()},
+                dead_letters=dead, run=self._run, snapshot=snapshot,
             )
-            n += 1
             counts.events += len(events)
             counts.dead_letters += dead
             counts.messages += pending

@@ -242,16 +242,17 @@ def _check_remote_out(flag: str, uri: str) -> None:
 
 
 def _check_remote_archive(uri: str) -> None:
-    """``--archive`` on an object store must be readable and hold commit manifests (one line otherwise, exit 2)."""
-    from schemas import locations as loc
+    """``--archive`` on an object store must be readable and hold an event archive (one line otherwise, exit 2)."""
+    from streams.archive import is_archive
 
     try:
-        found = bool(loc.list_files(loc.join(uri, "_commits"), suffix=".json"))
+        found = is_archive(uri)
     except OSError as err:
         _fail(f"`--archive` {uri} cannot be read: {' '.join(str(err).split())}; check the bucket and the AWS_* "
               "variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
     if not found:
-        _fail(f"`--archive` {uri} holds no event archive (no _commits/); write one with `trajpipe archive --out {uri}`")
+        _fail(f"`--archive` {uri} holds no event archive (no _archive.json, no _commit_log/); write one with "
+              f"`trajpipe archive --out {uri}`")
 
 
 def _check_remote_data(uri: str) -> None:

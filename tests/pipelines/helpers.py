@@ -10,7 +10,7 @@ from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.testing.test_pipeline import TestPipeline
 
 from schemas.events import EpisodeStatus, Event
-from streams.archive import PartitionRange, write_commit
+from streams.archive import PartitionRange, read_commits, write_commit
 from streams.synth import generate_episodes
 
 TOPIC = "trajpipe.events"
@@ -22,11 +22,18 @@ def make_pipeline() -> TestPipeline:
 
 
 def write_archive(root: Path, commits: list[list[Event]], *, buckets: int = 4) -> Path:
-    """Write an event archive (docs/archive.md) with one commit per list of events."""
-    (root / "_commits").mkdir(parents=True, exist_ok=True)
+    """Write an event archive (docs/archive.md) with one commit per list of events.
+
+    Commits the archive holds already are kept (the commit log takes each number once): called again with
+    more lists, it adds the new ones.
+    """
+    made = len(read_commits(root))
     offset = 0
     for n, events in enumerate(commits, start=1):
         positions = [(0, offset + i) for i in range(len(events))]
+        if n <= made:
+            offset += len(events)
+            continue
         write_commit(root, commit=n, topic=TOPIC, buckets=buckets, events=events, positions=positions,
                      offsets={0: PartitionRange(offset, offset + len(events))})
         offset += len(events)

@@ -1,13 +1,14 @@
 """The event archive on an S3-compatible store (SeaweedFS) from a real Kafka broker, held to a local archive.
 
 `trajpipe archive --out s3://...` writes through :mod:`schemas.locations`: data files under temporary names
-that carry the run's id, a create-only manifest (the commit point, naming the run), moves, one Delta
-transaction per commit. These tests hold it, and its readers, to the same archive on local disk:
+that carry the run's id, the manifest (naming the run) committed to the archive's commit log (the commit
+point), moves, one Delta transaction per commit. These tests hold it, and its readers, to the same archive on
+local disk:
 
 * the same manifests (but ``created_at`` and the S3 manifest's ``run``), the same Parquet files byte for
   byte, the same ``_archive.json`` and the same rows through ``deltalake`` and polars ``scan_delta``;
 * a rerun reads nothing new and adds nothing;
-* a crash at each commit point, then a rerun: the same archive, no temporary file left;
+* a crash at each commit point, then a rerun: the same archive, no temporary file left (and so locally);
 * two archivers at once on one archive: every event once (a loser ends with one error line, exit 2);
 * ``pipeline run --source archive --archive s3://...`` gives the dataset the local archive gives;
 * ``trajpipe catalog --data s3://... --archive s3://...`` the catalog the local copies give.
@@ -36,7 +37,7 @@ from schemas import locations as loc
 from schemas.codec import encode_event
 from schemas.storage import delta_storage_options
 from streams import testhooks
-from streams.archive import ARCHIVE_DELTA_APP, ArchiveError, Archiver, read_commits
+from streams.archive import ARCHIVE_DELTA_APP, ArchiveError, Archiver, commit_log, read_commits
 from streams.config import KafkaConnection
 from streams.synth import generate_episodes
 from tests.helpers import produce_messages
@@ -80,19 +81,20 @@ def local_archive(events_topic, tmp_path_factory) -> str:
 
 
 def _manifests(root: str) -> list[dict]:
-    docs = [json.loads(loc.read_bytes(p)) for p in loc.list_files(loc.join(root, "_commits"), suffix=".json")]
+    """The records of the archive's commit log, but what differs between runs."""
+    docs = [json.loads(r) for r in commit_log(root).snapshot().records()]
     for d in docs:
         d.pop("created_at")
-        d.pop("run", None)  # S3 manifests name the run whose temporary files they commit
+        d.pop("run")  # the run whose temporary files the manifest commits
     return docs
 
 
 def _files(root: str) -> dict[str, bytes]:
-    """Relative path -> bytes of every file but the Delta log (timestamps) and the manifests (compared above)."""
+    """Relative path -> bytes of every file but the Delta logs (timestamps; the manifests are compared above)."""
     out = {}
     for path in loc.list_files(root):
         rel = path[len(root.rstrip("/")) + 1:]
-        if not rel.startswith(("_delta_log/", "_commits/")):
+        if not rel.startswith(("_delta_log/", "_commit_log/")):
             out[rel] = loc.read_bytes(path)
     return out
 
@@ -130,20 +132,26 @@ def test_s3_archive_is_the_local_archive_and_a_rerun_adds_nothing(events_topic, 
     assert _files(uri) == before and len(_manifests(uri)) == counts.commits
 
 
+@pytest.mark.parametrize("where", ["s3", "local"])
 @pytest.mark.parametrize("crash_at", ["before_manifest", "after_manifest", "before_delta"])
-def test_crash_at_a_commit_point_then_rerun_gives_the_same_archive(events_topic, local_archive, s3_env,
-                                                                   monkeypatch, crash_at):
-    uri = s3_env.uri(f"crash-{crash_at}-{uuid.uuid4().hex[:8]}", "archive")
+def test_crash_at_a_commit_point_then_rerun_gives_the_same_archive(events_topic, local_archive, request, tmp_path,
+                                                                   monkeypatch, crash_at, where):
+    """One commit protocol for both stores: a crash at each of its points, then a rerun, gives the archive an
+    uninterrupted run gives."""
+    if where == "s3":
+        uri = request.getfixturevalue("s3_env").uri(f"crash-{crash_at}-{uuid.uuid4().hex[:8]}", "archive")
+    else:
+        uri = str(tmp_path / "archive")
     arch = _archiver(uri, events_topic)
     with monkeypatch.context() as m, contextlib.ExitStack() as hooks:
         if crash_at == "before_manifest":
             hooks.enter_context(testhooks.crash_before_manifest(2))
-        elif crash_at == "after_manifest":  # commit 2's manifest written, one of its files moved
+        elif crash_at == "after_manifest":  # commit 2's manifest committed, one of its files moved
             moves = []
             real_move = loc.move
 
             def move(src, dst):
-                if "/c00000002.parquet." in src:
+                if "/c00000002.parquet." in os.fspath(src):
                     moves.append(src)
                     if len(moves) == 2:
                         raise ArchiveError("simulated crash after the manifest")
@@ -170,7 +178,7 @@ def test_crash_at_a_commit_point_then_rerun_gives_the_same_archive(events_topic,
 
 
 def test_two_archivers_at_once_archive_every_event_once(events_topic, local_archive, s3_env, tmp_path):
-    """No lock on S3: two archivers plan the same commits; the create-only manifest lets one win each. A loser
+    """No lock on S3: two archivers plan the same commits; the commit log lets one make each. A loser
     ends with one error line (exit 2) and loses nothing: the next run reads its offsets again."""
     bootstrap, topic, n = events_topic
     uri = s3_env.uri(f"race-{uuid.uuid4().hex[:8]}", "archive")

@@ -124,9 +124,9 @@ def test_crash_between_data_and_manifest_then_rerun(kafka_broker, topic_name, tm
     arch = _archiver(tmp_path, kafka_broker.bootstrap, topic_name, [], commit_every=200)
     with testhooks.crash_before_manifest(2), pytest.raises(ArchiveError, match="simulated crash"):
         arch.run()
-    # commit 1 is in place; commit 2's files exist only under temporary names
+    # commit 1 is in place; commit 2's files exist only under temporary names (which name the run)
     assert len(read_commits(tmp_path / "archive")) == 1
-    assert list((tmp_path / "archive").glob("bucket=*/*.parquet.tmp"))
+    assert list((tmp_path / "archive").glob("bucket=*/c00000002.parquet.*.tmp"))
     first_rows = _count(tmp_path / "archive")[0]
     assert 0 < first_rows < n
     counts = _archiver(tmp_path, kafka_broker.bootstrap, topic_name, [], commit_every=200).run()
@@ -146,13 +146,14 @@ def test_recover_rolls_forward_a_committed_manifest(tmp_path):
     from schemas.events import Feedback
 
     root = tmp_path / "a"
-    (root / "_commits").mkdir(parents=True)
     ev = Feedback(event_id="f", episode_id="e", seq=0, producer_id="p", domain="d", task_id="t", source="s")
-    m = write_commit(root, commit=1, topic="t", buckets=4, events=[ev], positions=[(0, 0)], offsets={})
+    m = write_commit(root, commit=1, topic="t", buckets=4, events=[ev], positions=[(0, 0)], offsets={}, run="r1")
     final = root / m.files[0]
-    final.rename(final.with_name(final.name + ".tmp"))  # as if the crash came after the manifest, before the rename
-    assert recover_archive(root) == 1
-    assert final.exists() and committed_files(root) == [final]
+    final.rename(final.with_name(final.name + ".r1.tmp"))  # as if the crash came after the commit, before the move
+    other = final.with_name(final.name + ".r0.tmp")  # a rival's (or crashed run's) file of the same commit
+    other.write_bytes(b"a loser's file")
+    assert recover_archive(root) == 2
+    assert final.exists() and not other.exists() and committed_files(root) == [final]
 
 
 def test_recover_adds_a_commit_missing_from_the_delta_table(tmp_path):
@@ -165,7 +166,6 @@ def test_recover_adds_a_commit_missing_from_the_delta_table(tmp_path):
     from streams.archive import ARCHIVE_DELTA_APP, write_commit
 
     root = tmp_path / "a"
-    (root / "_commits").mkdir(parents=True)
     evs = [Feedback(event_id=f"f{i}", episode_id=f"e{i}", seq=0, producer_id="p", domain="d", task_id="t",
                     source="s") for i in range(6)]
     write_commit(root, commit=1, topic="t", buckets=4, events=evs[:3], positions=[(0, i) for i in range(3)],
@@ -216,14 +216,17 @@ def test_damaged_archive_metadata_is_an_archive_error(tmp_path):
 
 
 def test_a_manifest_naming_a_file_outside_the_archive_is_an_archive_error(tmp_path):
-    from streams.archive import CommitManifest, PartitionRange, read_commits
+    from streams.archive import CommitManifest, PartitionRange, commit_log, read_commits
 
-    (tmp_path / "_commits").mkdir()
-    for outside in ("/etc/passwd", "../other/c00000001.parquet", "bucket=00/../../x.parquet"):
+    for i, outside in enumerate(("/etc/passwd", "../other/c00000001.parquet", "bucket=00/../../x.parquet")):
         manifest = CommitManifest(commit=1, topic="t", offsets={0: PartitionRange(0, 1)}, files=[outside], events=1)
-        (tmp_path / "_commits" / "00000001.json").write_bytes(msgspec.json.encode(manifest))
-        with pytest.raises(ArchiveError, match="outside the archive"):
-            read_commits(tmp_path)
+        in_log, legacy = tmp_path / f"log-{i}", tmp_path / f"legacy-{i}"
+        commit_log(in_log).snapshot().commit(msgspec.json.encode(manifest))  # the commit log's record
+        (legacy / "_commits").mkdir(parents=True)  # a manifest file of the earlier layout
+        (legacy / "_commits" / "00000001.json").write_bytes(msgspec.json.encode(manifest))
+        for root in (in_log, legacy):
+            with pytest.raises(ArchiveError, match="outside the archive"):
+                read_commits(root)
 
 
 def test_following_archiver_waits_for_a_broker_that_went_away(tmp_path, caplog):
@@ -257,3 +260,120 @@ def test_following_archiver_waits_for_a_broker_that_went_away(tmp_path, caplog):
     assert "error" not in result, result
     assert result["counts"].events == 0
     assert sum("Kafka unreachable" in r.getMessage() for r in caplog.records) >= 2
+
+
+def _offsets_contiguous(archive: Path) -> None:
+    """Across commits, each partition's ranges follow one another: no gap, no overlap."""
+    spans = sorted((p, r.start, r.end) for c in read_commits(archive) for p, r in c.offsets.items())
+    for (p1, _, e1), (p2, s2, _) in zip(spans, spans[1:]):
+        if p1 == p2:
+            assert e1 == s2, spans
+
+
+@pytest.mark.integration
+def test_two_archivers_at_once_on_a_local_archive_archive_every_event_once(kafka_broker, topic_name, tmp_path):
+    """The local twin of tests/storage/test_archive_s3.py's race: two `trajpipe archive` processes plan the same
+    commits of one local directory; the commit log lets one make each. A loser deletes its temporary files and
+    ends with one error line (exit 2), losing nothing: the next run reads its offsets again."""
+    from streams.admin import ensure_topics
+    from tests.helpers import topic_env
+
+    ensure_topics(KafkaConnection(bootstrap_servers=kafka_broker.bootstrap), Topics(
+        events=topic_name, partitions=3, dead_letters=topic_name + ".dl", control=topic_name + ".ctl"))
+    n = _produce(kafka_broker.bootstrap, topic_name, 40, seed=17)
+    archive = tmp_path / "archive"
+    argv = [sys.executable, "-m", "trajpipe", "archive", "--bootstrap", kafka_broker.bootstrap, "--out",
+            str(archive), "--until-end", "--commit-every", "150"]
+    procs = [subprocess.Popen([*argv, "--spool-dir", str(tmp_path / f"spool-{i}")], env=topic_env(
+        topic_name, tmp_path / f"spool-{i}", partitions=3), cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    results = [(p.wait(timeout=600), *p.communicate()) for p in procs]
+    for rc, out, err in results:
+        assert rc in (0, 2) and "Traceback" not in err, err[-3000:]
+        if rc == 2:
+            lines = [line for line in err.splitlines() if line.startswith("error:")]
+            assert len(lines) == 1 and "another archiver made commit" in lines[0] and out == "", err[-3000:]
+    assert any(rc == 0 for rc, _, _ in results), results
+    archived = sum(json.loads(out.strip().splitlines()[-1])["events"] for rc, out, _ in results if rc == 0)
+    assert archived <= n
+    assert _count(archive) == (archived, archived)  # what the runs say they committed, each event once
+    again = _archiver(tmp_path, kafka_broker.bootstrap, topic_name, []).run()  # a loser's rerun
+    assert archived + again.events == n
+    assert _count(archive) == (n, n)
+    assert not list(archive.glob("bucket=*/*.tmp"))
+    _offsets_contiguous(archive)
+    _assert_delta_matches_manifests(archive)
+
+
+def _to_legacy_layout(archive: Path) -> list[bytes]:
+    """Turn an archive back into the earlier layout: its log's records as ``_commits/<n>.json``, no log."""
+    import shutil
+
+    from streams.archive import commit_log
+
+    records = commit_log(archive).snapshot().records()
+    (archive / "_commits").mkdir()
+    for n, record in enumerate(records, start=1):
+        (archive / "_commits" / f"{n:08d}.json").write_bytes(record)
+    shutil.rmtree(archive / "_commit_log")
+    return records
+
+
+def _what_readers_see(archive: Path) -> dict:
+    from pipelines.archive_source import list_archive_files
+
+    files = committed_files(archive)
+    rows = duckdb.execute(f"select * exclude (filename) from read_parquet({[str(f) for f in files]}, "
+                          "hive_partitioning=true, filename=true) order by event_id").fetchall()
+    query = json.loads(subprocess.run(
+        [sys.executable, "-m", "trajpipe", "query", "--archive", str(archive), "--format", "json",
+         "select count(*) n, count(distinct event_id) ids from events"],
+        check=True, capture_output=True, text=True, timeout=300).stdout.strip().splitlines()[-1])
+    return {"manifests": [msgspec.to_builtins(c) for c in read_commits(archive)], "files": files,
+            "source": list_archive_files(archive), "rows": rows, "query": query}
+
+
+@pytest.mark.integration
+def test_an_archive_of_the_earlier_layout_is_read_then_imported_and_continued(kafka_broker, topic_name, tmp_path):
+    """Manifest files `_commits/<n>.json` (no commit log): readers read them as they read the log; the next
+    archiver run imports them (the same bytes, in order), removes them, and continues: every event once."""
+    from streams.archive import commit_log
+
+    first = _produce(kafka_broker.bootstrap, topic_name, 20, seed=21)
+    archive = tmp_path / "archive"
+    assert _archiver(tmp_path, kafka_broker.bootstrap, topic_name, [], commit_every=80).run().events == first
+    seen = _what_readers_see(archive)
+    assert seen["query"] == {"n": first, "ids": first} and len(seen["manifests"]) >= 2
+    legacy = _to_legacy_layout(archive)
+    assert not (archive / "_commit_log").exists() and _what_readers_see(archive) == seen
+    more = _produce(kafka_broker.bootstrap, topic_name, 10, seed=22)
+    counts = _archiver(tmp_path, kafka_broker.bootstrap, topic_name, [], commit_every=80).run()
+    assert counts.events == more
+    assert not (archive / "_commits").exists()
+    assert commit_log(archive).snapshot().records()[: len(legacy)] == legacy  # imported byte for byte
+    assert [c.commit for c in read_commits(archive)] == list(range(1, len(legacy) + counts.commits + 1))
+    assert _count(archive) == (first + more, first + more)
+    _offsets_contiguous(archive)
+    _assert_delta_matches_manifests(archive)
+
+
+def test_recovery_of_an_archive_of_the_earlier_layout_imports_it_and_settles_its_temporary_files(tmp_path):
+    """A local archive that an earlier trajpipe left mid-commit: `_commits/` manifests and temporary files named
+    `c<n>.parquet.tmp` (no run). Recovery imports the manifests, rolls forward the file of the made commit and
+    removes the one no manifest names."""
+    from schemas.events import Feedback
+    from streams.archive import commit_log, write_commit
+
+    root = tmp_path / "a"
+    ev = Feedback(event_id="f", episode_id="e", seq=0, producer_id="p", domain="d", task_id="t", source="s")
+    m = write_commit(root, commit=1, topic="t", buckets=4, events=[ev], positions=[(0, 0)], offsets={})
+    legacy = _to_legacy_layout(root)
+    final = root / m.files[0]
+    final.rename(final.with_name(final.name + ".tmp"))  # the earlier layout's temporary name
+    orphan = root / "bucket=00" / "c00000002.parquet.tmp"  # a commit whose manifest was never written
+    orphan.parent.mkdir(exist_ok=True)
+    orphan.write_bytes(b"half a commit")
+    assert read_commits(root)[0].files == m.files  # read from _commits/ as it is
+    assert recover_archive(root) == 2
+    assert final.exists() and not orphan.exists() and not (root / "_commits").exists()
+    assert commit_log(root).snapshot().records() == legacy and committed_files(root) == [final]

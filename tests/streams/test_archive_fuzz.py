@@ -1,6 +1,7 @@
 """Fuzz target ``fuzz_archive``: the event archive's readers (manifests, metadata, Parquet data files).
 
-Inputs are mutations of a real archive written by :func:`streams.archive.write_commit`: commit manifests and
+Inputs are mutations of a real archive written by :func:`streams.archive.write_commit`: commit manifests (as
+records of the archive's commit log, and as the manifest files of the earlier layout, ``_commits/<n>.json``) and
 ``_archive.json`` with bytes flipped, cut, or fields replaced by other JSON values; data files with bytes flipped,
 cut or spliced; and archive tables whose columns are dropped, nulled, retyped or filled with other values, so
 the row converter of the Beam source (:func:`pipelines.archive_source.read_archive_file`) sees every kind of
@@ -29,7 +30,7 @@ from hypothesis import strategies as st
 from pipelines.archive_source import ArchiveFile, list_archive_files, read_archive_file, split_episode_ids
 from schemas.deadletter import DeadLetter
 from schemas.events import Event
-from streams.archive import ArchiveError, PartitionRange, _init_archive, read_commits, write_commit
+from streams.archive import ArchiveError, PartitionRange, _init_archive, commit_log, read_commits, write_commit
 from streams.synth import generate_episodes
 from tests import fuzzing
 
@@ -51,7 +52,7 @@ def _template() -> dict:
     manifest = write_commit(root, commit=1, topic="trajpipe.events", buckets=2, events=events,
                             positions=[(0, i) for i in range(len(events))], offsets={0: PartitionRange(0, len(events))})
     data = (root / manifest.files[0]).read_bytes()
-    return {"root": root, "manifest": (root / "_commits" / "00000001.json").read_bytes(),
+    return {"root": root, "manifest": commit_log(root).snapshot().records()[0],
             "meta": (root / "_archive.json").read_bytes(), "data": data, "files": manifest.files,
             "table": pq.read_table(io.BytesIO(data))}
 
@@ -120,13 +121,24 @@ def test_manifests_and_metadata_are_read_or_rejected_with_archive_error(data, sc
     root = _fresh_copy(scratch)
     template = _template()
     target = data.draw(st.sampled_from(["manifest", "meta", "second_manifest"]))
+    legacy = data.draw(st.booleans())  # the manifests as files of the earlier layout, not in the commit log
+    records = [template["manifest"]]
     if target == "manifest":
-        (root / "_commits" / "00000001.json").write_bytes(_mutate_json(data.draw, template["manifest"]))
+        records = [_mutate_json(data.draw, template["manifest"])]
     elif target == "second_manifest":  # a second commit whose manifest is damaged (or names other files)
-        name = data.draw(st.sampled_from(["00000002.json", "00000003.json", "x.json"]))
-        (root / "_commits" / name).write_bytes(_mutate_json(data.draw, template["manifest"]))
+        records.append(_mutate_json(data.draw, template["manifest"]))
     else:
         (root / "_archive.json").write_bytes(_mutate_json(data.draw, template["meta"]))
+    shutil.rmtree(root / "_commit_log")
+    if legacy:
+        (root / "_commits").mkdir()
+        names = ["00000001.json", data.draw(st.sampled_from(["00000002.json", "00000003.json", "x.json"]))]
+        for name, record in zip(names, records):
+            (root / "_commits" / name).write_bytes(record)
+    else:
+        snapshot = commit_log(root).snapshot()
+        for record in records:  # the log holds text: bytes that are no UTF-8 cannot get into it
+            snapshot.commit(record.decode("utf-8", "replace").encode())
     with fuzzing.python_memory_bound(_MEMORY_LIMIT):
         try:
             commits = read_commits(root)
