@@ -59,6 +59,7 @@ from pipelines.commit import (
     load_held_state,
     load_prior_norm,
     read_manifests,
+    read_snapshot,
     recover,
 )
 from pipelines.committed import CommittedView
@@ -191,7 +192,7 @@ def _run_batch_locked(
     layout = DatasetLayout(out=str(out), version=recipe.version, recipe_hash=recipe.content_hash,
                            run=uuid.uuid4().hex[:12] if is_remote(out) else "")
     fixed = recover(layout)
-    manifests = read_manifests(layout)
+    snapshot, manifests = read_snapshot(layout)  # the commit is made against this read of the log
     last = manifests[-1] if manifests else None
     commit = len(manifests) + 1
     plan = _plan(input, manifests)
@@ -301,7 +302,7 @@ def _run_batch_locked(
             loc.delete_dir(staging)
             raise CommitConflict.of(commit, recipe.version, str(out)) from err
         raise
-    commit_staged(layout, manifest, prior_norm=prior)
+    commit_staged(layout, manifest, prior_norm=prior, snapshot=snapshot)
     check_accounted(counts)
     return counts
 
