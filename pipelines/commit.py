@@ -1,4 +1,4 @@
-"""The dataset commit protocol: staged files → manifest (commit point) → renames.
+"""The dataset commit protocol: staged files → commit ``n`` of the version's commit log (commit point) → renames.
 
 Layout under ``<out>`` for dataset version ``V = <recipe name>-<hash8>``::
 
@@ -6,7 +6,7 @@ Layout under ``<out>`` for dataset version ``V = <recipe name>-<hash8>``::
     trajectories/recipe=V/domain=D/c<n>-s<k>.parquet
     evaluations/recipe=V/domain=D/c<n>.parquet           evaluation episodes (pipelines.evaluations)
     dead_letters/recipe=V/c<n>.parquet
-    _manifests/V/<n>.json                               one per commit, the commit point
+    _commit_log/V/_delta_log/<n>.json                   commit n (the commit point): its manifest
     _state/norm-<recipe hash>.json                      persisted normalization statistics
     _state/V/pending-<n>.arrow                          events of unfinished episodes after commit n
     _state/V/groups-<n>.json                            GRPO groups held after commit n (pipelines.groups)
@@ -14,14 +14,21 @@ Layout under ``<out>`` for dataset version ``V = <recipe name>-<hash8>``::
     _state/V/late-<n>.arrow                             events of episodes written incomplete (pipelines.late)
     late_events/recipe=V/c<n>.parquet                   late events (archive schema + late_reason)
     _staging/V/<n>/...                                  files of commit n before it is committed
+    _manifests/V/<n>.json                               (legacy) commit n before the commit log
+
+The commit log (:class:`schemas.commit_log.CommitLog`, ``schemas.manifests.commit_log_of``) is a
+Delta table with no data files: its version ``n`` is commit ``n``, and its record is the commit's
+:class:`DatasetManifest` (JSON). A run reads a snapshot of it (:func:`read_snapshot`), plans
+commit ``n`` = head + 1 from its manifests, and commits against that snapshot.
 
 Commit ``n`` (driver side, after the Beam job has written ``_staging/V/<n>/``):
 
 1. merge this run's statistics into the persisted ones, stage the result;
-2. write the manifest ``_manifests/V/<n>.json`` (tmp + fsync + rename; on an
-   object store a create-only PUT): the **commit point**; it names every file
-   (staged and final path, rows), the input it covers (archive commits or Kafka
-   offsets), the counts, the event-time clock and the state files;
+2. make commit ``n`` of the log against the run's snapshot: the **commit point**; its
+   manifest names every file (staged and final path, rows), the input it covers (archive
+   commits or Kafka offsets), the counts, the event-time clock and the state files. If
+   another writer committed since the snapshot, the log refuses it (``CommitTaken``): the
+   run's staging is deleted and :class:`CommitConflict` raised;
 3. rename every staged file into place (``os.replace``; on an object store a
    copy + delete, redone by :func:`recover` after a crash), then drop the
    staging directory, older pending files, late-state files the manifest
@@ -30,16 +37,18 @@ Commit ``n`` (driver side, after the Beam job has written ``_staging/V/<n>/``):
    carrying the batch id (:mod:`pipelines.delta_tables`).
 
 ``<out>`` is a local directory or ``s3://BUCKET/PREFIX``: every file goes through
-:mod:`schemas.locations`. An object store has no ``flock``, so there each run
-stages under ``_staging/V/<n>-<run>/`` and writes its manifest create-only
-(``If-None-Match: *``): of two runs racing for commit ``n`` one commits, the
-other deletes its staging and raises :class:`CommitConflict`.
+:mod:`schemas.locations`. Locally the runs of one version still take turns on a ``flock``
+(:func:`commit_lock`), so a second run waits and commits what the first left uncovered. An object
+store has no ``flock``: there each run stages under ``_staging/V/<n>-<run>/``, and of two runs
+racing for commit ``n`` the log takes one; the other deletes its staging and raises
+:class:`CommitConflict`.
 
-:func:`recover` runs before every job: a staging directory whose manifest
-exists is rolled forward (step 3 redone; idempotent), one without is rolled
-back (deleted), and every Delta table is brought up to the last manifest
-(:func:`pipelines.delta_tables.roll_forward`). A crash anywhere plus a rerun
-therefore yields the same dataset, and a rerun of covered input adds nothing.
+:func:`recover` runs before every job: a version with legacy manifest files and no log has them
+imported into the log first (same bytes, in order; then deleted); a staging directory whose commit
+the log has is rolled forward (step 3 redone; idempotent), one without is rolled back (deleted), and
+every Delta table is brought up to the last commit (:func:`pipelines.delta_tables.roll_forward`). A
+crash anywhere plus a rerun therefore yields the same dataset, and a rerun of covered input adds
+nothing.
 
 The manifest types (:class:`DatasetManifest`, :class:`CommittedFile`) live in
 :mod:`schemas.manifests`, where readers that must not import ``pipelines``
@@ -488,7 +497,8 @@ def commit_lock(layout: DatasetLayout, *, waiting: Callable[[], None] | None = N
     is held by another writer, before blocking on it.
 
     An object store has no lock: there this holds nothing, and two runs racing for one commit
-    are resolved by the create-only manifest write (:class:`CommitConflict` for the loser).
+    are resolved by the commit log (:class:`CommitConflict` for the loser). The log would catch
+    a local writer without the lock the same way; the lock makes the second run wait instead.
     """
     if layout.remote:
         yield
