@@ -35,7 +35,7 @@ from pipelines.recipes import load_recipe
 from pipelines.trajectory_job import run, run_batch
 from schemas import locations as loc
 from schemas.codec import encode_event
-from schemas.manifests import list_dataset_versions, read_dataset_records
+from schemas.manifests import commit_log_of, list_dataset_versions, read_dataset_records
 from schemas.storage import delta_storage_options
 from tests.helpers import create_topics, produce_messages
 from tests.pipelines.helpers import episodes, flat
@@ -219,3 +219,25 @@ def test_create_only_put_refuses_a_second_writer(s3_env):
     assert loc.read_bytes(key) == b'{"run": 1}'
     loc.write_atomic(key, b'{"run": 3}')  # a plain PUT still replaces it
     assert loc.read_bytes(key) == b'{"run": 3}'
+
+
+def test_a_legacy_dataset_on_s3_is_moved_into_the_commit_log_by_the_next_run(events_topic, local_run, s3_env):
+    """A dataset written before the commit log (``_manifests/<V>/<n>.json``, no ``_commit_log/``): read as it
+    is, then the next run imports the files into the log (same bytes) and deletes them, adding nothing."""
+    local, _ = local_run
+    uri = s3_env.uri(f"legacy-{uuid.uuid4().hex[:8]}", "datasets")
+    run(_args(events_topic, uri))
+    [version] = list_dataset_versions(uri)
+    records = read_dataset_records(uri, version)
+    for n, record in enumerate(records, start=1):
+        loc.write_atomic(loc.join(uri, "_manifests", version, f"{n:08d}.json"), record)
+    loc.delete_dir(loc.join(uri, "_commit_log"))
+    assert not commit_log_of(uri, version).exists() and read_dataset_records(uri, version) == records
+    before = _listing(uri)
+    again = run(_args(events_topic, uri))
+    assert set(again.values()) == {0}
+    assert not loc.list_files(loc.join(uri, "_manifests"))
+    assert commit_log_of(uri, version).head() == len(records) and read_dataset_records(uri, version) == records
+    data_and_state = lambda listing: {k: v for k, v in listing.items() if not k.startswith("_manifests/")}  # noqa: E731
+    assert data_and_state(_listing(uri)) == data_and_state(before)
+    _same_dataset(uri, local)
