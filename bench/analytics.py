@@ -28,6 +28,7 @@ Run it alone::
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -168,6 +169,7 @@ def write_synthetic_dataset(out: Path, *, steps: int = 10_000_000, steps_per_epi
             files.append(CommittedFile(path=rel, staged=rel, rows=rows.num_rows))
     manifest = DatasetManifest(commit=1, version=VERSION, recipe_hash="0" * 64, source="raw", files=files,
                                clock_s=t0 + n_episodes * 0.01, counts={"steps": steps, "episodes": n_episodes})
+    shutil.rmtree(out / "_commit_log", ignore_errors=True)  # a dataset of an earlier run: this one replaces it
     commit_log_of(out, VERSION).snapshot().commit(msgspec.json.encode(manifest))
     return {"steps": steps, "episodes": n_episodes, "files": len(files),
             "bytes": sum((out / f.path).stat().st_size for f in files)}
