@@ -220,7 +220,8 @@ class _CommitPaneFn(beam.DoFn):
         else:
             # No flock on an object store: this job's pane writers (parallel bundles of one process) take turns
             # on a process lock, and a commit the commit log refuses (another process committed since the
-            # snapshot it was planned on) is planned again on top of the winner's commit -- what a local writer does after waiting for the lock.
+            # snapshot it was planned on) is planned again on top of the winner's commit -- what a local
+            # writer does after waiting for the lock.
             # The staging name <n>-<job><pane><attempt> also tells a retried bundle that its pane is committed.
             pane_id = self._job + _pane_key(win, pane) if self._job else None
             with _process_lock(self._layout):
