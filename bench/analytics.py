@@ -28,6 +28,7 @@ Run it alone::
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -44,6 +45,7 @@ from pipelines.catalog import open_catalog
 from pipelines.commit import CommittedFile, DatasetManifest
 from pipelines.reports import REPORTS, report_sql
 from schemas.datasets import context_tokens_of, step_file_schema, trajectory_file_schema
+from schemas.manifests import commit_log_of
 
 __all__ = ["bench_analytics", "write_synthetic_dataset"]
 
@@ -167,8 +169,8 @@ def write_synthetic_dataset(out: Path, *, steps: int = 10_000_000, steps_per_epi
             files.append(CommittedFile(path=rel, staged=rel, rows=rows.num_rows))
     manifest = DatasetManifest(commit=1, version=VERSION, recipe_hash="0" * 64, source="raw", files=files,
                                clock_s=t0 + n_episodes * 0.01, counts={"steps": steps, "episodes": n_episodes})
-    (out / "_manifests" / VERSION).mkdir(parents=True, exist_ok=True)
-    (out / "_manifests" / VERSION / "00000001.json").write_bytes(msgspec.json.encode(manifest))
+    shutil.rmtree(out / "_commit_log", ignore_errors=True)  # a dataset of an earlier run: this one replaces it
+    commit_log_of(out, VERSION).snapshot().commit(msgspec.json.encode(manifest))
     return {"steps": steps, "episodes": n_episodes, "files": len(files),
             "bytes": sum((out / f.path).stat().st_size for f in files)}
 

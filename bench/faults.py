@@ -65,6 +65,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from schemas.manifests import commit_log_of, list_dataset_versions, read_dataset_manifests, read_dataset_records
+
 __all__ = ["FaultReport", "run_faults", "main"]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -265,7 +267,8 @@ class _Cluster:
         if self.producers_done.get(role, False):
             return False
         # The trainer starts once the first dataset commit exists (DeepSpeed's start-up is the slow part).
-        return role != "trainer" or any((self.work / "data" / "_manifests").glob("*/*.json"))
+        return role != "trainer" or any(read_dataset_records(self.work / "data", v)
+                                         for v in list_dataset_versions(self.work / "data"))
 
     def start_all(self) -> None:
         for role in self.procs:
@@ -370,12 +373,12 @@ def _pipeline_in_commit(data: Path) -> bool:
 
 
 def _pipeline_after_commit_point(data: Path) -> bool:
-    """A staged commit whose manifest exists (rolled forward on restart)."""
+    """A staged commit the commit log has (rolled forward on restart)."""
     staging = data / "_staging"
     with contextlib.suppress(FileNotFoundError):
         for version in os.scandir(staging):
             for commit in os.scandir(version.path):
-                if commit.name.isdigit() and (data / "_manifests" / version.name / f"{int(commit.name):08d}.json").exists():
+                if commit.name.isdigit() and commit_log_of(data, version.name).head() >= int(commit.name):
                     return True
     return False
 
@@ -542,9 +545,7 @@ def _wait_proc(cluster: _Cluster, proc: _Proc, timeout_s: float) -> int | None:
 
 def _reconcile(c: _Cluster, out: dict[str, Any]) -> None:
     import duckdb
-    import msgspec
 
-    from pipelines.commit import DatasetManifest
     from streams.config import KafkaConnection, Topics
     from streams.consumer import end_offsets
     from streams.synth import generate_episodes
@@ -594,8 +595,7 @@ def _reconcile(c: _Cluster, out: dict[str, Any]) -> None:
         f"read_parquet('{w}/data/steps/**/*.parquet', hive_partitioning=true)").fetchall()
     out["step_duplicates"] = steps - distinct_steps
     # Commits: offsets covered without gap or overlap; each commit's counts balance.
-    manifests = [msgspec.json.decode(p.read_bytes(), type=DatasetManifest)
-                 for p in sorted((w / "data" / "_manifests").glob("*/*.json"))]
+    manifests = [m for v in list_dataset_versions(w / "data") for m in read_dataset_manifests(w / "data", v)]
     covered: dict[int, int] = {}
     gaps = 0
     unbalanced = 0

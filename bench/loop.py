@@ -38,6 +38,8 @@ from pathlib import Path
 
 import yaml
 
+from schemas.manifests import list_dataset_versions, read_dataset_records
+
 __all__ = ["bench_loop", "freshness", "trained_samples"]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,8 +74,8 @@ def freshness(data: Path) -> list[float]:
     import duckdb
 
     rows: list[tuple[str, float]] = []
-    for manifest in sorted((data / "_manifests").glob("*/*.json")):
-        doc = json.loads(manifest.read_text())
+    for record in (r for v in list_dataset_versions(data) for r in read_dataset_records(data, v)):
+        doc = json.loads(record)
         created = datetime.fromisoformat(str(doc["created_at"]).replace("Z", "+00:00")).timestamp()
         for f in doc.get("files", []):
             path = f["path"] if isinstance(f, dict) else f

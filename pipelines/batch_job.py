@@ -59,6 +59,7 @@ from pipelines.commit import (
     load_held_state,
     load_prior_norm,
     read_manifests,
+    read_snapshot,
     recover,
 )
 from pipelines.committed import CommittedView
@@ -130,7 +131,8 @@ def run_batch(*, out: str | Path, recipe: Recipe, input: BatchInput | testhooks.
 
     Two runs on one dataset version at once (two terminals, two hosts on a shared ``--out``)
     would otherwise both build on commit ``n``: the second's ``recover`` would delete the
-    first's staging directory, and both would write manifest ``n + 1``. With the lock
+    first's staging directory, and the commit log would refuse the later one's commit
+    ``n + 1`` (:class:`pipelines.commit.CommitConflict`: its work lost). With the lock
     (:func:`pipelines.commit.commit_lock`, ``flock``; released by the kernel if the holder
     dies) the second waits -- a log line says so -- then recovers, reads only the input the
     first left uncovered and commits that: disjoint work, nothing lost, nothing twice. Runs of
@@ -138,7 +140,8 @@ def run_batch(*, out: str | Path, recipe: Recipe, input: BatchInput | testhooks.
     tables are resolved by delta-rs' optimistic concurrency. Arguments: :func:`_run_batch_locked`.
 
     On an object store (``s3://``) there is no lock: each run stages under its own name and
-    writes its manifest create-only, so of two runs racing for commit ``n`` one commits and the
+    commits against the snapshot of the commit log it planned on, so of two runs racing for
+    commit ``n`` one commits and the
     other raises :class:`pipelines.commit.CommitConflict` with its staging deleted (a rerun
     continues from the winner's commit); a run that starts after a commit reads what it left.
     """
@@ -191,7 +194,7 @@ def _run_batch_locked(
     layout = DatasetLayout(out=str(out), version=recipe.version, recipe_hash=recipe.content_hash,
                            run=uuid.uuid4().hex[:12] if is_remote(out) else "")
     fixed = recover(layout)
-    manifests = read_manifests(layout)
+    snapshot, manifests = read_snapshot(layout)  # the commit is made against this read of the log
     last = manifests[-1] if manifests else None
     commit = len(manifests) + 1
     plan = _plan(input, manifests)
@@ -301,7 +304,7 @@ def _run_batch_locked(
             loc.delete_dir(staging)
             raise CommitConflict.of(commit, recipe.version, str(out)) from err
         raise
-    commit_staged(layout, manifest, prior_norm=prior)
+    commit_staged(layout, manifest, prior_norm=prior, snapshot=snapshot)
     check_accounted(counts)
     return counts
 

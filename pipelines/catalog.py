@@ -3,7 +3,8 @@
 This is the one module that knows the on-disk layout of the tables (a change
 of layout, e.g. to Delta tables, touches only this file):
 
-* ``<data>/_manifests/<V>/<n>.json`` — dataset commit ``n`` of version ``V``
+* ``<data>/_commit_log/<V>/`` — the commit log of version ``V``: commit ``n``'s record is its manifest
+  (a dataset written before the log: ``<data>/_manifests/<V>/<n>.json``, read the same)
   (pipelines/commit.py); it names every data file of the commit.
 * ``<data>/<table>/recipe=<V>/...parquet`` — the dataset tables: ``steps``,
   ``trajectories``, ``dead_letters``, ``late_events`` and whatever other
@@ -89,6 +90,7 @@ import pyarrow.parquet as pq
 
 from pipelines.commit import CommitError, DatasetLayout, DatasetManifest, read_manifests
 from schemas import locations as loc
+from schemas.manifests import list_dataset_versions
 from streams.archive import is_archive, read_commits
 
 __all__ = [
@@ -306,13 +308,8 @@ def _table_of(path: str) -> str | None:
 
 
 def _dataset_versions(data: Path | str) -> dict[str, list[DatasetManifest]]:
-    manifests_dir = loc.join(str(data), "_manifests")
-    if loc.is_remote(data):  # an object store has no empty directories: every name is a version's prefix
-        names = loc.list_dir(manifests_dir)
-    else:
-        names = [d.name for d in sorted(Path(manifests_dir).glob("*")) if d.is_dir()]
     out = {}
-    for name in names:
+    for name in list_dataset_versions(data):
         try:
             manifests = read_manifests(DatasetLayout(out=str(data), version=name, recipe_hash=""))
         except CommitError as err:
@@ -478,7 +475,7 @@ def open_catalog(
         cat.versions = versions = _dataset_versions(data)
         tables = _table_dirs(data)
         if not versions and not tables:
-            raise CatalogError(f"{data} holds no dataset (no _manifests/ and no tables); it holds "
+            raise CatalogError(f"{data} holds no dataset (no _commit_log/ and no tables); it holds "
                                f"{_what_is_there(data)}; write one with `trajpipe pipeline run --out {data}`")
         cat.version = _select_version(versions, version, as_of)
         if isinstance(as_of, datetime):

@@ -1,4 +1,4 @@
-"""The dataset commit protocol: staged files → manifest (commit point) → renames.
+"""The dataset commit protocol: staged files → commit ``n`` of the version's commit log (commit point) → renames.
 
 Layout under ``<out>`` for dataset version ``V = <recipe name>-<hash8>``::
 
@@ -6,7 +6,7 @@ Layout under ``<out>`` for dataset version ``V = <recipe name>-<hash8>``::
     trajectories/recipe=V/domain=D/c<n>-s<k>.parquet
     evaluations/recipe=V/domain=D/c<n>.parquet           evaluation episodes (pipelines.evaluations)
     dead_letters/recipe=V/c<n>.parquet
-    _manifests/V/<n>.json                               one per commit, the commit point
+    _commit_log/V/_delta_log/<n>.json                   commit n (the commit point): its manifest
     _state/norm-<recipe hash>.json                      persisted normalization statistics
     _state/V/pending-<n>.arrow                          events of unfinished episodes after commit n
     _state/V/groups-<n>.json                            GRPO groups held after commit n (pipelines.groups)
@@ -14,14 +14,21 @@ Layout under ``<out>`` for dataset version ``V = <recipe name>-<hash8>``::
     _state/V/late-<n>.arrow                             events of episodes written incomplete (pipelines.late)
     late_events/recipe=V/c<n>.parquet                   late events (archive schema + late_reason)
     _staging/V/<n>/...                                  files of commit n before it is committed
+    _manifests/V/<n>.json                               (legacy) commit n before the commit log
+
+The commit log (:class:`schemas.commit_log.CommitLog`, ``schemas.manifests.commit_log_of``) is a
+Delta table with no data files: its version ``n`` is commit ``n``, and its record is the commit's
+:class:`DatasetManifest` (JSON). A run reads a snapshot of it (:func:`read_snapshot`), plans
+commit ``n`` = head + 1 from its manifests, and commits against that snapshot.
 
 Commit ``n`` (driver side, after the Beam job has written ``_staging/V/<n>/``):
 
 1. merge this run's statistics into the persisted ones, stage the result;
-2. write the manifest ``_manifests/V/<n>.json`` (tmp + fsync + rename; on an
-   object store a create-only PUT): the **commit point**; it names every file
-   (staged and final path, rows), the input it covers (archive commits or Kafka
-   offsets), the counts, the event-time clock and the state files;
+2. make commit ``n`` of the log against the run's snapshot: the **commit point**; its
+   manifest names every file (staged and final path, rows), the input it covers (archive
+   commits or Kafka offsets), the counts, the event-time clock and the state files. If
+   another writer committed since the snapshot, the log refuses it (``CommitTaken``): the
+   run's staging is deleted and :class:`CommitConflict` raised;
 3. rename every staged file into place (``os.replace``; on an object store a
    copy + delete, redone by :func:`recover` after a crash), then drop the
    staging directory, older pending files, late-state files the manifest
@@ -30,16 +37,18 @@ Commit ``n`` (driver side, after the Beam job has written ``_staging/V/<n>/``):
    carrying the batch id (:mod:`pipelines.delta_tables`).
 
 ``<out>`` is a local directory or ``s3://BUCKET/PREFIX``: every file goes through
-:mod:`schemas.locations`. An object store has no ``flock``, so there each run
-stages under ``_staging/V/<n>-<run>/`` and writes its manifest create-only
-(``If-None-Match: *``): of two runs racing for commit ``n`` one commits, the
-other deletes its staging and raises :class:`CommitConflict`.
+:mod:`schemas.locations`. Locally the runs of one version still take turns on a ``flock``
+(:func:`commit_lock`), so a second run waits and commits what the first left uncovered. An object
+store has no ``flock``: there each run stages under ``_staging/V/<n>-<run>/``, and of two runs
+racing for commit ``n`` the log takes one; the other deletes its staging and raises
+:class:`CommitConflict`.
 
-:func:`recover` runs before every job: a staging directory whose manifest
-exists is rolled forward (step 3 redone; idempotent), one without is rolled
-back (deleted), and every Delta table is brought up to the last manifest
-(:func:`pipelines.delta_tables.roll_forward`). A crash anywhere plus a rerun
-therefore yields the same dataset, and a rerun of covered input adds nothing.
+:func:`recover` runs before every job: a version with legacy manifest files and no log has them
+imported into the log first (same bytes, in order; then deleted); a staging directory whose commit
+the log has is rolled forward (step 3 redone; idempotent), one without is rolled back (deleted), and
+every Delta table is brought up to the last commit (:func:`pipelines.delta_tables.roll_forward`). A
+crash anywhere plus a rerun therefore yields the same dataset, and a rerun of covered input adds
+nothing.
 
 The manifest types (:class:`DatasetManifest`, :class:`CommittedFile`) live in
 :mod:`schemas.manifests`, where readers that must not import ``pipelines``
@@ -72,7 +81,16 @@ from pipelines.late import LATE_STATE_FILE, LateState, late_state_index, late_st
 from pipelines.normalize import NormState, RunningStats, load_norm_state
 from pipelines.sinks import GROUPS_FILE, HELD_DIR, PENDING_FILE, RUN_STATS_FILE, STAGED_SUFFIX
 from schemas import locations as loc
-from schemas.manifests import CommittedFile, DatasetManifest, decode_manifest
+from schemas.commit_log import CommitLog, CommitLogError, CommitTaken, Snapshot
+from schemas.manifests import (
+    MANIFEST_DIR,
+    CommittedFile,
+    DatasetManifest,
+    commit_log_of,
+    decode_manifests,
+    read_dataset_manifests,
+    read_legacy_records,
+)
 from schemas.storage import fsync_dir
 
 __all__ = [
@@ -82,6 +100,7 @@ __all__ = [
     "CommitError",
     "CommitConflict",
     "read_manifests",
+    "read_snapshot",
     "recover",
     "commit_staged",
     "commit_lock",
@@ -103,7 +122,7 @@ class CommitError(RuntimeError):
 
 
 class CommitConflict(CommitError):
-    """Another run wrote this run's commit first (object stores: the create-only manifest PUT lost).
+    """Another run made this run's commit first (the commit log refused this run's commit: :class:`CommitTaken`).
 
     Nothing of this run is in the dataset (its staging is deleted); a rerun continues from the winner's commit.
     """
@@ -144,8 +163,14 @@ class DatasetLayout(msgspec.Struct, frozen=True):
         return loc.join(self.root, rel)
 
     @property
-    def manifests(self) -> str:
-        return loc.join(self.root, "_manifests", self.version)
+    def log(self) -> CommitLog:
+        """The version's commit log (``_commit_log/<version>/``): commit ``n``'s record is its manifest."""
+        return commit_log_of(self.root, self.version)
+
+    @property
+    def legacy_manifests(self) -> str:
+        """The manifest files of a version written before the commit log (imported by :func:`recover`)."""
+        return loc.join(self.root, MANIFEST_DIR, self.version)
 
     @property
     def staging_root(self) -> str:
@@ -172,23 +197,31 @@ class DatasetLayout(msgspec.Struct, frozen=True):
 
 
 def read_manifests(layout: DatasetLayout) -> list[DatasetManifest]:
-    """The committed manifests of a version, in commit order.
+    """The committed manifests of a version, in commit order (a version not imported yet: its legacy files).
 
     Raises:
-        CommitError: a manifest is unreadable or commit numbers have a gap.
+        CommitError: the log is unreadable, a record is not a manifest, or the commit numbers have a gap.
     """
-    out = []
-    for path in loc.list_files(layout.manifests, suffix=".json"):
-        if path.rsplit("/", 1)[-1].startswith("."):  # a temporary file of an interrupted write
-            continue
-        try:
-            out.append(decode_manifest(loc.read_bytes(path)))
-        except (msgspec.DecodeError, msgspec.ValidationError) as err:
-            raise CommitError(f"dataset manifest {path} is unreadable: {err}") from err
-    for i, m in enumerate(out, start=1):
-        if m.commit != i:
-            raise CommitError(f"{layout.manifests} has commit {m.commit} where {i} was expected (gap)")
-    return out
+    try:
+        return read_dataset_manifests(layout.root, layout.version)
+    except CommitLogError as err:
+        raise CommitError(str(err)) from err
+
+
+def read_snapshot(layout: DatasetLayout) -> tuple[Snapshot, list[DatasetManifest]]:
+    """A writer's read of the commit log: the snapshot to make the next commit against, and its manifests.
+
+    A commit made against the snapshot (:func:`commit_staged`) is refused if another writer committed since,
+    so what a run plans from these manifests is what it commits on top of.
+
+    Raises:
+        CommitError: as :func:`read_manifests`.
+    """
+    try:
+        snap = layout.log.snapshot()
+        return snap, decode_manifests(snap.records(), where=f"{layout.version} at {layout.root}")
+    except CommitLogError as err:
+        raise CommitError(str(err)) from err
 
 
 def _staging_of(manifest: DatasetManifest) -> str:
@@ -241,17 +274,66 @@ def _roll_forward(layout: DatasetLayout, manifest: DatasetManifest) -> int:
 
 
 def recover(layout: DatasetLayout) -> dict[str, int]:
-    """Finish or undo interrupted commits of a version.
+    """Finish or undo interrupted commits of a version (and import its legacy manifest files into the log).
 
     Returns:
         ``{"rolled_forward": .., "rolled_back": .., "delta_rolled_forward": ..}``: staging
-        directories finished and deleted, and Delta table transactions made up.
+        directories finished and deleted, and Delta table transactions made up; ``"imported"``
+        when legacy manifests were imported.
     """
-    manifests = {m.commit: m for m in read_manifests(layout)}
     fixed = {"rolled_forward": 0, "rolled_back": 0, "delta_rolled_forward": 0}
+    imported = _import_legacy_manifests(layout)
+    if imported:
+        fixed["imported"] = imported
+    manifests = {m.commit: m for m in read_manifests(layout)}
     _recover_staging(layout, manifests, fixed)
     fixed["delta_rolled_forward"] = delta_tables.roll_forward(layout.root, manifests.values())
     return fixed
+
+
+def _import_legacy_manifests(layout: DatasetLayout) -> int:
+    """Move a version's legacy manifest files (``_manifests/<V>/<n>.json``) into its commit log; returns how many.
+
+    Each file's bytes become commit ``n``'s record, in order; once the log holds all of them (and the
+    same bytes) the files are deleted. Idempotent and safe against a rival doing the same (an object
+    store has no lock): a commit the rival made first is checked, not made again; a crash in between
+    leaves the files, and the next run goes on where this one stopped.
+
+    Raises:
+        CommitError: the log holds a commit that differs from the legacy file of the same number.
+    """
+    legacy = read_legacy_records(layout.root, layout.version)
+    if not legacy:
+        return 0
+    made = 0
+    while True:
+        try:
+            snap = layout.log.snapshot()
+            if snap.head >= len(legacy):
+                break
+            snap.commit(legacy[snap.head], metadata={"trajpipe.imported_from": MANIFEST_DIR})
+            made += 1
+        except CommitTaken:
+            continue  # a rival imports too: read again, check what it made
+        except CommitLogError as err:
+            raise CommitError(str(err)) from err
+    try:
+        in_log = layout.log.snapshot().records()
+    except CommitLogError as err:
+        raise CommitError(str(err)) from err
+    differ = [n for n, (a, b) in enumerate(zip(legacy, in_log), start=1) if a != b]
+    if differ:
+        raise CommitError(f"{layout.version} at {layout.root} has a commit log and legacy manifests that differ "
+                          f"at commit {differ[0]} ({layout.legacy_manifests}); keep the one that matches the data "
+                          "files and move the other away")
+    _LOG.warning("imported %d legacy manifests of %s into its commit log (%d made by this run); deleting %s",
+                 len(legacy), layout.version, made, layout.legacy_manifests)
+    loc.delete_dir(layout.legacy_manifests)
+    if not layout.remote:
+        parent = os.path.dirname(layout.legacy_manifests)
+        if os.path.isdir(parent) and not os.listdir(parent):
+            os.rmdir(parent)
+    return len(legacy)
 
 
 def _recover_staging(layout: DatasetLayout, manifests: dict[int, DatasetManifest], fixed: dict[str, int]) -> None:
@@ -292,6 +374,7 @@ def commit_staged(
     manifest: DatasetManifest,
     *,
     prior_norm: NormState,
+    snapshot: Snapshot,
 ) -> DatasetManifest:
     """Commit the staged files of ``manifest.commit`` (see the module docstring).
 
@@ -302,6 +385,9 @@ def commit_staged(
             staged late-state file is added to ``late_state`` (which holds the
             files carried over: :func:`carry_late_state`).
         prior_norm: persisted statistics before this run.
+        snapshot: the read of the commit log the commit was planned on (:func:`read_snapshot`, head
+            ``manifest.commit - 1``): the commit is made against it, so it is refused if another
+            writer committed since.
 
     Tests simulate a crash at each commit point with :func:`pipelines.testhooks.crash_at`:
     ``before_manifest``, ``after_manifest`` (manifest written, one file renamed) or
@@ -311,7 +397,8 @@ def commit_staged(
         The manifest as written.
 
     Raises:
-        CommitError: for a simulated crash (tests).
+        CommitConflict: another run made a commit since ``snapshot``; this run's staging is deleted.
+        CommitError: the log refused the commit for another reason, or a simulated crash (tests).
     """
     n = manifest.commit
     staging = layout.staging(n)
@@ -363,7 +450,7 @@ def commit_staged(
                                        norm_file=layout.norm_file)
     if testhooks.crashes_at("before_manifest"):
         raise CommitError(f"simulated crash before the manifest of commit {n}")
-    _write_manifest(layout, manifest)
+    _write_manifest(layout, manifest, snapshot)
     if testhooks.crashes_at("after_manifest"):
         first = files[0]
         loc.move(layout.at(first.staged), layout.at(first.path))
@@ -375,22 +462,24 @@ def commit_staged(
     return manifest
 
 
-def _write_manifest(layout: DatasetLayout, manifest: DatasetManifest) -> None:
-    """Write the commit point: locally tmp + fsync + rename (the commit lock excludes other writers);
-    on an object store create-only (``If-None-Match: *``), so of two runs racing for commit ``n`` one wins.
+def _write_manifest(layout: DatasetLayout, manifest: DatasetManifest, snapshot: Snapshot) -> None:
+    """Make the commit point: commit ``n`` of the version's commit log, its record the manifest, against ``snapshot``.
 
     Raises:
-        CommitConflict: another run made commit ``n`` first; this run's staging is deleted.
+        CommitConflict: another run made a commit since ``snapshot``; this run's staging is deleted.
+        CommitError: the log refused the commit for another reason.
     """
-    n, path = manifest.commit, loc.join(layout.manifests, f"{manifest.commit:08d}.json")
-    if not layout.remote:
-        loc.write_atomic(path, msgspec.json.encode(manifest))
-        return
+    n = manifest.commit
+    if snapshot.head + 1 != n:
+        raise CommitError(f"commit {n} of {layout.version} planned on a snapshot at commit {snapshot.head}")
     try:
-        loc.write_new(path, msgspec.json.encode(manifest))
-    except FileExistsError:
+        snapshot.commit(msgspec.json.encode(manifest),
+                        metadata={"trajpipe.batch_id": delta_tables.batch_id(layout.version, n)})
+    except CommitTaken:
         loc.delete_dir(layout.staging(n))
         raise CommitConflict.of(n, layout.version, layout.out) from None
+    except CommitLogError as err:
+        raise CommitError(str(err)) from err
 
 
 def load_prior_norm(layout: DatasetLayout) -> NormState:
@@ -408,7 +497,8 @@ def commit_lock(layout: DatasetLayout, *, waiting: Callable[[], None] | None = N
     is held by another writer, before blocking on it.
 
     An object store has no lock: there this holds nothing, and two runs racing for one commit
-    are resolved by the create-only manifest write (:class:`CommitConflict` for the loser).
+    are resolved by the commit log (:class:`CommitConflict` for the loser). The log would catch
+    a local writer without the lock the same way; the lock makes the second run wait instead.
     """
     if layout.remote:
         yield

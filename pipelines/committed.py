@@ -87,7 +87,7 @@ class CommittedView(msgspec.Struct, frozen=True, kw_only=True):
         if len(manifests) < self.through or (self.stamp and manifests[-1].created_at.isoformat() != self.stamp):
             from pipelines.commit import CommitError
 
-            raise CommitError(f"{layout.manifests} is not the dataset the job was planned on (commit {self.through} "
+            raise CommitError(f"{layout.log.root} is not the dataset the job was planned on (commit {self.through} "
                               f"made at {self.stamp or '?'}): was the dataset directory replaced while the job ran?")
         return layout, manifests
 

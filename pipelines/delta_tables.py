@@ -33,8 +33,8 @@ Concurrent writers: different dataset versions (recipes) on one ``<out>`` append
 Delta tables; delta-rs resolves concurrent appends with optimistic concurrency (blind appends do
 not conflict; it retries the commit on the next log version). Two runs of one version are
 serialized by :func:`pipelines.commit.commit_lock` before they get here (locally), or by the
-create-only manifest write (object stores); a recovery that makes the same commit's transaction
-at the same time as its run finds it made and skips it.
+dataset's commit log (object stores: one run's commit ``n`` is refused); a recovery that makes the
+same commit's transaction at the same time as its run finds it made and skips it.
 
 ``<out>`` may be a local directory or ``s3://BUCKET/PREFIX``: the tables are then
 ``s3://.../<table>``, opened with :func:`schemas.storage.delta_storage_options`.

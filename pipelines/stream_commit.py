@@ -10,7 +10,8 @@ version's commit lock (``flock``; on an object store, see below)::
               committed as incomplete may still be committed complete, ``completed_late``)
     → decide GRPO groups (held state of the last commit ⊕ this pane's episodes)
     → normalize (persisted statistics ⊕ the released groups') → stage files and the new held state
-    → manifest (commit point: files, Kafka offsets covered, window, pane) → renames
+    → commit n of the version's commit log, against the snapshot the commit was planned on (the commit
+      point; its record the manifest: files, Kafka offsets covered, window, pane) → renames
 
 Windowing: ``FixedWindows(window_s)`` on the elements' event time (the
 source's Kafka record time), triggered when the watermark passes the end of
@@ -40,15 +41,16 @@ pending-state commit decides no groups.
 On an object store (``--out s3://...``) every file goes through :mod:`schemas.locations`, as
 in the batch commit, and there is no ``flock``: the job's pane writers (threads of one
 process on Prism's LOOPBACK worker) take turns on a process lock, each attempt stages under
-``_staging/<V>/<n>-<job><pane><attempt>/`` and writes its manifest create-only. An attempt that
-loses that PUT to another run (or finds its staging deleted by that run's recovery once ``n``
-is committed) deletes its staging and is **planned again** from the top -- recover, read the
+``_staging/<V>/<n>-<job><pane><attempt>/`` and commits against the snapshot of the commit log it
+was planned on. An attempt the log refuses because another run committed since
+(:class:`pipelines.commit.CommitConflict`; or that finds its staging deleted by that run's recovery
+once ``n`` is committed) deletes its staging and is **planned again** from the top -- recover, read the
 manifests, drop what the winner committed, decide, stage, commit ``n + 1`` -- which is what a
 local writer does after waiting for the lock: the pane's elements are in hand, the commit is
 a function of them and of the committed state (:func:`made_by_job` tells the job's commits
 from the winner's for its counts). The staging name also names the pane
 (``<n>-<job><pane><attempt>``): a bundle the runner retries after its commit's manifest was
-written (a store error in the moves or the Delta transactions) finds its pane committed,
+made (a store error in the moves or the Delta transactions) finds its pane committed,
 recovers it, and commits nothing again.
 
 Examples:
@@ -86,6 +88,7 @@ from pipelines.commit import (
     load_held_state,
     load_prior_norm,
     read_manifests,
+    read_snapshot,
     recover,
 )
 from pipelines.groups import DEFAULT_GROUP_TIMEOUT_S
@@ -94,6 +97,7 @@ from pipelines.recipes import Recipe
 from pipelines.sinks import STAGED_SUFFIX, stage_files
 from pipelines.types import METRICS_NAMESPACE, RawRecords
 from schemas import locations as loc
+from schemas.commit_log import Snapshot
 from schemas.locations import join, parquet_rows
 
 __all__ = ["CommitWindows", "CommitPending", "batch_offsets", "merge_offsets", "made_by_job"]
@@ -215,8 +219,9 @@ class _CommitPaneFn(beam.DoFn):
                 done = self._commit_once(self._layout, got, win, pane)
         else:
             # No flock on an object store: this job's pane writers (parallel bundles of one process) take turns
-            # on a process lock, and a commit that loses the create-only manifest PUT to another process is
-            # planned again on top of the winner's commit -- what a local writer does after waiting for the lock.
+            # on a process lock, and a commit the commit log refuses (another process committed since the
+            # snapshot it was planned on) is planned again on top of the winner's commit -- what a local
+            # writer does after waiting for the lock.
             # The staging name <n>-<job><pane><attempt> also tells a retried bundle that its pane is committed.
             pane_id = self._job + _pane_key(win, pane) if self._job else None
             with _process_lock(self._layout):
@@ -253,7 +258,7 @@ class _CommitPaneFn(beam.DoFn):
             CommitConflict: (object stores) another process made this commit number first.
         """
         recover(layout)
-        manifests = read_manifests(layout)
+        snapshot, manifests = read_snapshot(layout)  # the commit is made against this read of the log
         self._refresh(manifests)
         if pane_id is not None:
             made = [m.commit for m in manifests if made_by_job(m, pane_id)]
@@ -286,7 +291,7 @@ class _CommitPaneFn(beam.DoFn):
         n = len(manifests) + 1
         try:
             written, increments = self._stage_and_commit(
-                layout, n, manifests, held=held if is_window else None, emitted=emitted, complete=complete,
+                layout, snapshot, manifests, held=held if is_window else None, emitted=emitted, complete=complete,
                 incomplete=incomplete, evals=evals, pending=pending, dead=dead, late=late, offsets=offsets,
                 feedback=got["feedback"], win=win if is_window else None, pane=pane)
         except CommitConflict:
@@ -303,11 +308,16 @@ class _CommitPaneFn(beam.DoFn):
         self._manifests_seen = n
         return n, [(self._replayed, replayed), *increments]
 
-    def _stage_and_commit(self, layout: DatasetLayout, n: int, manifests: list[DatasetManifest], *,
+    def _stage_and_commit(self, layout: DatasetLayout, snapshot: Snapshot, manifests: list[DatasetManifest], *,
                           held: Any, emitted: set[str], complete: list, incomplete: list, evals: list,
                           pending: list, dead: list, late: list, offsets: list, feedback: list, win: Any,
                           pane: Any) -> tuple[DatasetManifest, list[tuple[Any, int]]]:
-        """Stage commit ``n`` of the pane and commit it: ``(the manifest written, metric increments)``."""
+        """Stage the pane's commit on top of ``snapshot`` and make it: ``(the manifest written, metric increments)``.
+
+        Raises:
+            CommitConflict: another writer committed since ``snapshot`` (its staging is deleted).
+        """
+        n = snapshot.head + 1
         recipe = self._recipe
         prior = load_prior_norm(layout)
         # An event time further ahead of the wall clock than max_future_s (a fast producer) is not news of
@@ -352,7 +362,7 @@ class _CommitPaneFn(beam.DoFn):
             late_state=carry_late_state(layout, manifests[-1] if manifests else None, layout.staging(n),
                                         clock_s=clock_s, retention_s=self._retention_s, drop=emitted),
         )
-        return commit_staged(layout, manifest, prior_norm=prior), increments
+        return commit_staged(layout, manifest, prior_norm=prior, snapshot=snapshot), increments
 
 
 def _keyed():

@@ -180,7 +180,7 @@ def run_stream(
     fixed = recover(layout)
     manifests = read_manifests(layout)
     # On an object store this job's commits are staged as `<n>-<job><pane><attempt>`: another run's commits made
-    # meanwhile (a pane that lost the create-only manifest to one was planned again on top of it) are not ours.
+    # meanwhile (a pane whose commit the log refused was planned again on top of it) are not ours.
     job = uuid.uuid4().hex[:8] if layout.remote else ""
     topic = input.topic
     start = covered_offsets(manifests, topic)

@@ -43,8 +43,10 @@ Examples:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -66,6 +68,7 @@ RECORD_KEY = "trajpipe.record"
 COMMIT_KEY = "trajpipe.commit"
 
 _ATTEMPTS = 3  # tries of one commit whose refusal was not a rival's commit
+_COMMIT_FILE = re.compile(r"(\d{20})\.json")
 _HOOKS = PostCommitHookProperties(create_checkpoint=False, cleanup_expired_logs=False)
 # The log's schema: Delta needs one; no row is ever written.
 _SCHEMA = Schema.from_arrow(pa.schema([pa.field("commit", pa.int64())]))
@@ -150,6 +153,43 @@ class CommitLog:
     def head(self) -> int:
         """The last commit made (0: none)."""
         return self.snapshot().head
+
+    def read_records(self, *, after: int = 0, as_of: int | None = None) -> list[bytes]:
+        """The records of commits ``after + 1 ..`` through ``as_of`` (None: the last), read from the log's files.
+
+        A reader's path: it reads the commit files (``_delta_log/<v>.json``, table version ``v`` =
+        commit ``v``) through :mod:`schemas.locations`, not through deltalake, so it works in a
+        process forked after deltalake was used (the trainer's DataLoader workers: delta-rs' runtime
+        does not survive a fork), and reads only the files of commits after ``after``. What it
+        returns is what :meth:`Snapshot.records` of a snapshot taken at the same moment returns.
+
+        Raises:
+            CommitLogError: a commit file is unreadable or lacks its record, the numbers have a gap,
+                or ``as_of`` is beyond the last commit.
+        """
+        log_dir = loc.join(self.root, "_delta_log")
+        versions = sorted(int(m.group(1)) for p in loc.list_files(log_dir, suffix=".json")
+                          if (m := _COMMIT_FILE.fullmatch(p.rsplit("/", 1)[-1])))
+        head = versions[-1] if versions else 0
+        if as_of is not None:
+            if not 0 <= as_of <= head:
+                raise CommitLogError(f"the commit log {self.root} has commits 1..{head}, not {as_of}")
+            head = as_of
+        if versions != list(range(len(versions))):
+            raise CommitLogError(f"the commit log {self.root} has a gap in its commit files ({versions[:5]}...)")
+        out = []
+        for v in range(after + 1, head + 1):
+            path = loc.join(log_dir, f"{v:020d}.json")
+            try:
+                actions = [json.loads(line) for line in loc.read_bytes(path).splitlines() if line.strip()]
+            except (OSError, ValueError) as err:
+                raise CommitLogError(f"the commit log {self.root}: commit file {path} is unreadable: {err}") from err
+            info = next((a["commitInfo"] for a in actions if "commitInfo" in a), {})
+            txn = next((a["txn"] for a in actions if a.get("txn", {}).get("appId") == self.app_id), {})
+            if info.get(COMMIT_KEY) != str(v) or RECORD_KEY not in info or txn.get("version") != v:
+                raise CommitLogError(f"the commit log {self.root} lacks the record of commit {v} (in {path})")
+            out.append(info[RECORD_KEY].encode())
+        return out
 
 
 class Snapshot:

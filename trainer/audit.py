@@ -76,7 +76,7 @@ def audit_behaviour_logprobs(
     """Re-score the recorded actions of a dataset with the weights at ``model_dir``.
 
     Args:
-        data_dir: dataset root (``_manifests/``, ``steps/``).
+        data_dir: dataset root (``_commit_log/``, ``steps/``).
         model_dir: the weights to score with: those of the behaviour policy to
             check the round trip.
         recipe: dataset version (default: the only one).

@@ -44,7 +44,7 @@ class _Strict(BaseModel):
 class DataConfig(_Strict):
     """What to read and how to pack it (see :class:`trainer.data.TrajectoryStream`)."""
 
-    dir: str | None = Field(None, description="dataset root (holds _manifests/ and steps/)")
+    dir: str | None = Field(None, description="dataset root (holds _commit_log/ and steps/)")
     recipe: str | None = Field(None, description="dataset version <name>-<hash8>; default: the only one")
     mode: Literal["offline", "tail"] = Field("offline", description="offline epochs, or tail new commits")
     domains: list[str] | None = Field(None, description="keep only these domains")
@@ -196,7 +196,7 @@ class TrainConfig(_Strict):
     @model_validator(mode="after")
     def _derive(self) -> TrainConfig:
         if self.data.dir is None:
-            raise ValueError("`data.dir` (--data) is required: the dataset root with _manifests/ and steps/")
+            raise ValueError("`data.dir` (--data) is required: the dataset root with _commit_log/ and steps/")
         if self.data.corrections != "exclude" and self.objective.name not in ("bc", "awr"):
             raise ValueError(f"`data.corrections: {self.data.corrections}` trains feedback corrections, which no "
                              f"policy sampled (no behaviour log-probs): use --objective bc or awr, not "

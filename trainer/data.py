@@ -10,7 +10,8 @@ track of what was consumed).
 
 Layout read (schemas/datasets.py, docs/pipelines.md)::
 
-    <data>/_manifests/<recipe>/<n>.json              commit n of a dataset version
+    <data>/_commit_log/<recipe>/                     the version's commit log: commit n's record is its manifest
+    <data>/_manifests/<recipe>/<n>.json              (legacy, a dataset not yet moved to the log) commit n
     <data>/steps/recipe=<recipe>/domain=<d>/c<commit>-s<shard>.parquet
 
 ``<data>`` is a local directory or ``s3://BUCKET/PREFIX``: manifests and data files are read through
@@ -61,7 +62,7 @@ the same unit.
   ``rng(seed, e)``.
 * ``mode="tail"``: units are numbered in commit order (shuffled inside each
   commit with ``rng(seed, commit)``), so numbers never change as commits land;
-  a shard that runs out of units polls the manifests every
+  a shard that runs out of units polls the commit log every
   ``poll_interval_s`` and continues when a new commit is complete.
 
 Episodes inside a unit are shuffled with ``rng(seed, epoch, unit)``. An
@@ -85,7 +86,6 @@ interleaving of workers continues where it stopped too.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import time
@@ -107,7 +107,16 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from schemas import locations as loc
 from schemas.datasets import step_file_schema
 from schemas.events import PURPOSE_EVAL
-from schemas.manifests import MANIFEST_DIR, decode_manifest
+from schemas.commit_log import CommitLogError
+from schemas.manifests import (
+    COMMIT_LOG_DIR,
+    MANIFEST_DIR,
+    DatasetManifest,
+    decode_manifest,
+    decode_manifests,
+    list_dataset_versions,
+    read_dataset_records,
+)
 
 __all__ = [
     "MANIFEST_DIR",
@@ -152,7 +161,7 @@ class DataError(RuntimeError):
 
 
 class DatasetCommit(msgspec.Struct, frozen=True, kw_only=True):
-    """One committed dataset commit (``_manifests/<recipe>/<n>.json``), as the trainer sees it.
+    """One committed dataset commit (commit ``n`` of ``_commit_log/<recipe>/``), as the trainer sees it.
 
     Attributes:
         commit: commit number (from 1, gap-free per recipe).
@@ -167,16 +176,15 @@ class DatasetCommit(msgspec.Struct, frozen=True, kw_only=True):
 
 def read_commit_manifest(path: Path | str, *, root: Path | str,
                          tables: Sequence[str] = ("steps",)) -> DatasetCommit:
-    """Read one commit manifest (:class:`schemas.manifests.DatasetManifest`, docs/pipelines.md); keep its ``steps/`` files.
+    """Read one legacy commit manifest file (:class:`schemas.manifests.DatasetManifest`); keep its ``steps/`` files.
 
-    Only ``commit`` and ``files[].path`` (relative to the dataset root) are
-    used. ``tables`` names the step-shaped tables to keep (``steps``, and
-    ``corrections``: feedback corrections as one-step samples, docs/feedback.md).
+    Datasets are read from their commit log (:func:`scan_commits`); this reads a manifest file
+    of the layout before it (``_manifests/<recipe>/<n>.json``), named by its path.
 
     Args:
         path: the manifest's location (a local path or an ``s3://`` URI).
         root: the dataset root it belongs to.
-        tables: see above.
+        tables: the step-shaped tables to keep (:func:`scan_commits`).
 
     Raises:
         DataError: the manifest is unreadable, not JSON, or not a dataset manifest.
@@ -186,6 +194,10 @@ def read_commit_manifest(path: Path | str, *, root: Path | str,
         manifest = decode_manifest(loc.read_bytes(path))
     except (OSError, msgspec.DecodeError, msgspec.ValidationError) as err:
         raise DataError(f"commit manifest {path} is unreadable or has no `files` list: {err!r}") from err
+    return _commit_of(manifest, recipe=parent.rpartition("/")[2], root=root, tables=tables)
+
+
+def _commit_of(manifest: DatasetManifest, *, recipe: str, root: Path | str, tables: Sequence[str]) -> DatasetCommit:
     files = []
     for entry in manifest.files:
         rel = Path(entry.path)
@@ -193,61 +205,57 @@ def read_commit_manifest(path: Path | str, *, root: Path | str,
             rel = rel.relative_to(root)
         if rel.parts and rel.parts[0] in tables and rel.suffix == ".parquet":
             files.append(rel.as_posix())
-    return DatasetCommit(commit=manifest.commit, recipe=parent.rpartition("/")[2], files=tuple(sorted(set(files))))
+    return DatasetCommit(commit=manifest.commit, recipe=recipe, files=tuple(sorted(set(files))))
 
 
 def list_recipes(data_dir: Path | str) -> list[str]:
-    """Dataset versions (recipes) that have a manifest directory (on an object store: a manifest prefix)."""
-    if loc.is_remote(data_dir):
-        return loc.list_dir(loc.join(data_dir, MANIFEST_DIR))
-    mdir = Path(data_dir) / MANIFEST_DIR
-    return sorted(p.name for p in mdir.iterdir() if p.is_dir()) if mdir.is_dir() else []
+    """Dataset versions (recipes) that have a commit log (or legacy manifests)."""
+    return list_dataset_versions(data_dir)
 
 
 def scan_commits(data_dir: Path | str, *, recipe: str, after: int = 0, upto: int | None = None,
                  tables: Sequence[str] = ("steps",)) -> list[DatasetCommit]:
     """Committed and complete commits of one dataset version, in commit order.
 
-    A commit is visible when its manifest exists (written atomically: the
-    commit point) **and** all its files are in place (the writer renames data
-    files into place after the manifest, as the archive does). Commits become
-    visible strictly in order: scanning stops at the first missing or
-    incomplete commit, so a later commit never overtakes an earlier one.
+    A commit is visible when the version's commit log has it (the commit point)
+    **and** all its files are in place (the writer renames data files into
+    place after the commit). Commits become visible strictly in order: scanning
+    stops at the first incomplete commit, so a later commit never overtakes an
+    earlier one. Tail mode passes ``after`` (the last commit it has seen) and
+    reads the records of the new commits only.
 
     Args:
         data_dir: dataset root: a local directory or ``s3://BUCKET/PREFIX``.
-        recipe: dataset version directory under ``_manifests/``.
+        recipe: dataset version (``_commit_log/<recipe>/``).
         after: skip commits ``<= after``.
         upto: stop after this commit.
-        tables: the step-shaped tables whose files to list (:func:`read_commit_manifest`).
+        tables: the step-shaped tables whose files to list (``steps``, and ``corrections``: feedback
+            corrections as one-step samples, docs/feedback.md).
+
+    Raises:
+        DataError: the log is unreadable, or a commit's record is not a dataset manifest.
     """
-    if loc.is_remote(data_dir):
-        root: Path | str = os.fspath(data_dir)
-        mdir = loc.join(root, MANIFEST_DIR, recipe)
-        manifests = [(m, m.rpartition("/")[2]) for m in loc.list_files(mdir, suffix=".json")]
-        # one listing per table, not a request per file
-        in_place = {f for t in tables for f in loc.list_files(loc.join(root, t), suffix=".parquet")}.__contains__
+    root: Path | str = os.fspath(data_dir) if loc.is_remote(data_dir) else Path(data_dir)
+    where = f"{recipe} at {root}"
+    try:
+        records = read_dataset_records(root, recipe, after=after)
+        if upto is not None:
+            records = records[: max(upto - after, 0)]
+        manifests = decode_manifests(records, first=after + 1, where=where)
+    except CommitLogError as err:
+        raise DataError(str(err)) from err
+    if not manifests:
+        return []
+    if loc.is_remote(root):  # one listing per table, not a request per file
+        in_place = {f for t in tables for f in loc.list_files(loc.join(str(root), t), suffix=".parquet")}.__contains__
     else:
-        root = Path(data_dir)
-        mdir = root / MANIFEST_DIR / recipe
-        if not mdir.is_dir():
-            return []
-        manifests = [(p, p.name) for p in mdir.glob("*.json")]
         in_place = os.path.isfile
-    numbered = {}
-    for p, name in manifests:
-        stem = name[:-len(".json")]
-        if name.startswith(".") or not stem.isdigit():
-            continue  # a manifest being written (".<n>.json.tmp" or similar)
-        numbered[int(stem)] = p
     out: list[DatasetCommit] = []
-    n = after + 1
-    while n in numbered and (upto is None or n <= upto):
-        c = read_commit_manifest(numbered[n], root=root, tables=tables)
+    for m in manifests:
+        c = _commit_of(m, recipe=recipe, root=root, tables=tables)
         if not all(in_place(loc.join(str(root), f)) for f in c.files):
             break
         out.append(c)
-        n += 1
     return out
 
 
@@ -838,7 +846,7 @@ class TrajectoryStream(IterableDataset):
     """Packed training batches of episode windows from committed ``steps/`` files, sharded, seeded, resumable.
 
     Args:
-        data_dir: dataset root (holds ``_manifests/`` and ``steps/``): a local directory or ``s3://BUCKET/PREFIX``.
+        data_dir: dataset root (holds ``_commit_log/`` and ``steps/``): a local directory or ``s3://BUCKET/PREFIX``.
         seq_len: tokens per packed sequence (and the longest window).
         batch_size: packed sequences per batch.
         recipe: dataset version to read; default: the only one present.
@@ -849,7 +857,7 @@ class TrajectoryStream(IterableDataset):
         seed: seed of every shuffle.
         shuffle: shuffle unit order and episodes inside units.
         max_epochs: offline: stop after this many epochs (None: repeat forever).
-        poll_interval_s: tail: seconds between manifest scans when out of data.
+        poll_interval_s: tail: seconds between commit log scans when out of data.
         idle_timeout_s: tail: stop after this long without a new commit (None: never).
         num_workers: DataLoader workers that will iterate this dataset (0 = main process).
         rank: this process's rank; default ``torch.distributed`` rank (0 if not initialized).
@@ -942,7 +950,7 @@ class TrajectoryStream(IterableDataset):
             if len(recipes) != 1:
                 raise DataError(
                     f"{self.data_dir} holds {len(recipes)} dataset versions {recipes}; pick one with `recipe`"
-                    if recipes else f"{self.data_dir} has no committed dataset yet (no {MANIFEST_DIR}/<recipe>/)"
+                    if recipes else f"{self.data_dir} has no committed dataset yet (no {COMMIT_LOG_DIR}/<recipe>/)"
                 )
             self.recipe = recipes[0]
         return self.recipe

@@ -1,9 +1,10 @@
 """Synthetic ``steps/`` datasets in the real layout, for tests and benchmarks.
 
 Real datasets come from the trajectory job (pipelines/); this writes
-schema-valid :class:`schemas.datasets.StepRow` files plus commit manifests the
-same way (data file under a temporary name, manifest written atomically — the
-commit point — then the file renamed into place), so the trainer can be tested
+schema-valid :class:`schemas.datasets.StepRow` files plus commits the
+same way (data file under a temporary name, the commit made in the version's
+commit log with the manifest as its record — the commit point — then the file
+renamed into place), so the trainer can be tested
 and benchmarked without running the pipeline. As the job does, each file holds
 its rows sorted by ``(episode_id, step_index)`` in row groups that never split
 an episode.
@@ -43,8 +44,7 @@ import pyarrow.parquet as pq
 from schemas.arrow import arrow_schema_for
 from schemas.datasets import PARTITION_KEYS, StepRow, context_tokens_of
 from schemas.events import as_logprobs, as_token_ids, make_event_id
-from schemas.manifests import CommittedFile, DatasetManifest
-from schemas.storage import atomic_write
+from schemas.manifests import CommittedFile, DatasetManifest, commit_log_of
 
 __all__ = ["make_step_rows", "write_steps_commit", "write_random_commit", "DEFAULT_RECIPE"]
 
@@ -186,6 +186,15 @@ def _manifest(commit: int, recipe: str, files: list[str], rows: list[int]) -> di
     ))
 
 
+def _commit(root: Path, recipe: str, commit: int, manifest: dict[str, Any]) -> None:
+    """Make commit ``commit`` of ``recipe``'s commit log with ``manifest`` as its record (the commit point)."""
+    snap = commit_log_of(root, recipe).snapshot()
+    if snap.head + 1 != commit:
+        raise ValueError(f"commit {commit} of {recipe} at {root}: the log is at commit {snap.head} "
+                         "(commits are gap-free from 1)")
+    snap.commit(json.dumps(manifest).encode())
+
+
 def write_steps_commit(
     root: Path,
     rows: Sequence[StepRow],
@@ -227,9 +236,7 @@ def write_steps_commit(
         tmps.append((tmp, final))
     manifest = _manifest(commit, recipe, files, [len(by_domain[d]) for d in sorted(by_domain)])
     if publish:
-        mdir = root / "_manifests" / recipe
-        mdir.mkdir(parents=True, exist_ok=True)
-        atomic_write(mdir / f"{commit:08d}.json", json.dumps(manifest).encode())
+        _commit(root, recipe, commit, manifest)
         for tmp, final in tmps:
             os.replace(tmp, final)
     return manifest
@@ -319,9 +326,7 @@ def write_random_commit(
         moves.append((tmp, final))
         written.append(n)
     manifest = _manifest(commit, recipe, files, written)
-    mdir = root / "_manifests" / recipe
-    mdir.mkdir(parents=True, exist_ok=True)
-    atomic_write(mdir / f"{commit:08d}.json", json.dumps(manifest).encode())
+    _commit(root, recipe, commit, manifest)
     for tmp, final in moves:
         os.replace(tmp, final)
     return manifest

@@ -256,16 +256,16 @@ def _check_remote_archive(uri: str) -> None:
 
 
 def _check_remote_data(uri: str) -> None:
-    """``--data`` on an object store must be readable and hold dataset manifests (one line otherwise, exit 2)."""
-    from schemas import locations as loc
+    """``--data`` on an object store must be readable and hold a dataset's commit log (one line otherwise, exit 2)."""
+    from schemas.manifests import list_dataset_versions
 
     try:
-        found = loc.exists(loc.join(uri, "_manifests"))
+        found = bool(list_dataset_versions(uri))
     except OSError as err:
         _fail(f"`--data` {uri} cannot be read: {' '.join(str(err).split())}; check the bucket and the AWS_* "
               "variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
     if not found:
-        _fail(f"`--data` {uri} holds no dataset (no _manifests/); write one with `trajpipe pipeline run --out {uri}`")
+        _fail(f"`--data` {uri} holds no dataset (no _commit_log/); write one with `trajpipe pipeline run --out {uri}`")
 
 
 def _check_at_least(flag: str, value: float | None, low: float) -> None:
@@ -579,7 +579,7 @@ def archive(
 
 @app.command("train")
 def train(
-    data: Annotated[Optional[Path], typer.Option(help="dataset root (holds _manifests/ and steps/): a directory or "
+    data: Annotated[Optional[Path], typer.Option(help="dataset root (holds _commit_log/ and steps/): a directory or "
                                                  "s3://BUCKET/PREFIX", parser=_dataset_location, metavar="PATH")] = None,
     recipe: Annotated[Optional[str], typer.Option(help="dataset version <name>-<hash8> (needed when --data holds several)")] = None,
     model: Annotated[Optional[Path], typer.Option(help="base model: a local HF directory")] = None,
@@ -917,7 +917,7 @@ def eval_(
 
 @audit_app.command("logprobs")
 def audit_logprobs(
-    data: Annotated[Path, typer.Option(help="dataset root (holds _manifests/ and steps/)", parser=_local_location, metavar="PATH")],
+    data: Annotated[Path, typer.Option(help="dataset root (holds _commit_log/ and steps/)", parser=_local_location, metavar="PATH")],
     model: Annotated[Path, typer.Option(help="the weights that acted: a base model or a published policy dir")],
     recipe: Annotated[Optional[str], typer.Option(help="dataset version <name>-<hash8> (when --data holds several)")] = None,
     policy_version: Annotated[Optional[int], typer.Option(
@@ -1168,6 +1168,7 @@ def demo(
     import socket
     import subprocess
 
+    from schemas.manifests import list_dataset_versions
     from streams.broker import kafka_jars_dir
 
     for flag, value in (("--episodes", episodes), ("--group-size", group_size), ("--groups", groups)):
@@ -1224,7 +1225,7 @@ def demo(
         results["rebuild"] = step("7. rebuild from the archive with another reward recipe", "pipeline", "run",
                                   "--source", "archive", "--archive", str(archive), "--out", str(data), "--recipe",
                                   "verification_shaped")
-        version = next((data / "_manifests").glob("outcome-*")).name
+        version = next(v for v in list_dataset_versions(data) if v.startswith("outcome-"))
         results["bc"] = step("8. warm start: behaviour cloning of the demonstrations (DeepSpeed)", "train",
                              "--config", str(configs / "bc-warmstart.yaml"), "--data", str(data), "--recipe", version,
                              "--model", str(tiny), "--out", str(workdir / "bc"))

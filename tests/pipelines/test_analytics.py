@@ -21,15 +21,14 @@ from datetime import timedelta
 from pathlib import Path
 
 import duckdb
-import msgspec
 import polars as pl
 import pytest
 from deltalake import DeltaTable
 
 from pipelines.catalog import ALL_VERSIONS, CatalogError, open_catalog
-from pipelines.commit import DatasetManifest
 from pipelines.delta_tables import app_id
 from pipelines.reports import LONG_CONTEXT_TOKENS, REPORTS, run_report
+from schemas.manifests import list_dataset_versions, read_dataset_manifests
 from streams.archive import read_commits
 from tests.helpers import produce_messages, topic_env
 
@@ -80,8 +79,8 @@ def real(kafka_broker, tmp_path_factory):
               "--seed", 3)
     second = _last(_trajpipe(env, "pipeline", "run", "--source", "kafka", "--bootstrap", b, "--out", data))
     _trajpipe(env, "archive", "--bootstrap", b, "--out", archive, "--until-end")
-    outcome = next(p.name for p in (data / "_manifests").iterdir() if p.name.startswith("outcome-"))
-    shaped = next(p.name for p in (data / "_manifests").iterdir() if p.name.startswith("verification_shaped-"))
+    outcome = next(v for v in list_dataset_versions(data) if v.startswith("outcome-"))
+    shaped = next(v for v in list_dataset_versions(data) if v.startswith("verification_shaped-"))
     runs = tmp / "runs"
 
     def copy_weights(d: Path) -> str:
@@ -119,8 +118,7 @@ def test_catalog_views_snapshot_versions_and_polars(real):
     commits = con.sql("select version, commit from commits where source = 'dataset' order by all").fetchall()
     assert commits == sorted([(outcome, 1), (outcome, 2), (shaped, 1)])
     # the views read exactly the files the manifests name
-    named = {str(data / f.path) for p in sorted((data / "_manifests" / outcome).glob("*.json"))
-             for f in msgspec.json.decode(p.read_bytes(), type=DatasetManifest).files
+    named = {str(data / f.path) for m in read_dataset_manifests(data, outcome) for f in m.files
              if f.path.startswith("trajectories/")}
     assert set(cat.tables["trajectories"].files) == named
 
@@ -128,7 +126,7 @@ def test_catalog_views_snapshot_versions_and_polars(real):
     first = open_catalog(data=data, as_of=1)
     assert first.connect().sql("select count(*) from trajectories").fetchall()[0][0] == real["commits"][0]["episodes"]
     # time travel: as of the moment commit 1 was made is commit 1; before any commit is an error naming the first
-    m1 = msgspec.json.decode((data / "_manifests" / outcome / "00000001.json").read_bytes(), type=DatasetManifest)
+    m1, m2 = read_dataset_manifests(data, outcome)
     assert open_catalog(data=data, version=outcome, as_of=m1.created_at).as_of == 1
     with pytest.raises(CatalogError, match="no commit at or before .* its first was made"):
         open_catalog(data=data, version=outcome, as_of=m1.created_at - timedelta(seconds=1))
@@ -148,7 +146,6 @@ def test_catalog_views_snapshot_versions_and_polars(real):
         open_catalog(data=data, as_of=3)
 
     # a commit whose manifest is written but whose files are not all renamed yet is not shown
-    m2 = msgspec.json.decode((data / "_manifests" / outcome / "00000002.json").read_bytes(), type=DatasetManifest)
     moved = next(f for f in m2.files if f.path.startswith("trajectories/"))
     (data / moved.staged).parent.mkdir(parents=True, exist_ok=True)
     os.replace(data / moved.path, data / moved.staged)

@@ -17,15 +17,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import msgspec
 import polars as pl
 import pytest
 from apache_beam.runners.portability.fn_api_runner import fn_runner
 
-from pipelines.commit import DatasetManifest
 from pipelines.inputs import KafkaInput
 from pipelines.recipes import load_recipe
 from pipelines.trajectory_job import COUNT_KEYS, run_batch
+from schemas.manifests import read_dataset_manifests
 from streams.config import KafkaConnection
 from streams.consumer import end_offsets
 from tests.helpers import consume_messages, produce_messages, topic_env
@@ -86,8 +85,7 @@ def test_counts_are_exact_without_runner_metrics(kafka_broker, topic_name, tmp_p
     assert counts["dead_letters"] == scan("dead_letters").select(pl.len()).collect().item() == 1
     assert counts["duplicates"] == len(replay) > 0
     assert counts["events_in"] + counts["events_pending_in"] == sum(counts[k] for k in OUTCOMES)
-    manifest = msgspec.json.decode((out / "_manifests" / version / "00000001.json").read_bytes(),
-                                   type=DatasetManifest)
+    [manifest] = read_dataset_manifests(out, version)
     assert {k: manifest.counts[k] for k in COUNT_KEYS} == counts
     # the event-time clock came from the staged files too (it was a metric distribution before)
     newest = trajectories["last_event_time"].max().timestamp()

@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 import duckdb
-import msgspec
 import pytest
 from kafka.admin import KafkaAdminClient, NewTopic
 
 from pipelines.commit import DatasetManifest, covered_offsets
 from pipelines.trajectory_job import run
+from schemas.manifests import list_dataset_versions, read_dataset_manifests
 from streams.config import KafkaConnection
 from streams.producer import EventProducer
 from tests.pipelines.helpers import episodes
@@ -47,7 +47,7 @@ INCOMPLETE_AFTER_S = 12.0
 
 
 def _manifests(out: Path) -> list[DatasetManifest]:
-    return [msgspec.json.decode(p.read_bytes(), type=DatasetManifest) for p in sorted(out.glob("_manifests/*/*.json"))]
+    return [m for v in list_dataset_versions(out) for m in read_dataset_manifests(out, v)]
 
 
 def _committed(out: Path, key: str) -> int:

@@ -1,5 +1,6 @@
 """End-to-end: archive / raw records → committed datasets on FnApiRunner."""
 
+import os
 from pathlib import Path
 
 import duckdb
@@ -19,6 +20,8 @@ from pipelines.testhooks import run_batch_on_records
 from pipelines.trajectory_job import JobError, run, run_batch
 from pipelines.types import RawRecords
 from schemas.codec import encode_event
+from schemas.commit_log import CommitLogError
+from schemas.manifests import commit_log_of, list_dataset_versions, read_dataset_manifests, read_dataset_records
 from tests.pipelines.helpers import episodes, finished_as, flat, write_archive
 
 N = 100
@@ -82,7 +85,7 @@ def test_counts_and_rows(archive, first_run):
 
 def test_each_commit_is_one_delta_transaction_per_table_with_its_batch_id(first_run):
     out, c = first_run
-    [version] = [p.name for p in (out / "_manifests").iterdir()]
+    [version] = list_dataset_versions(out)
     for table in ("steps", "trajectories"):
         dt = DeltaTable(str(out / table))
         assert dt.transaction_version(app_id(version)) == 1
@@ -125,10 +128,10 @@ def test_new_recipe_writes_a_second_version(archive, first_run, tmp_path):
     versions = _sql(f"select recipe, count(*) from read_parquet('{out}/steps/**/*.parquet', hive_partitioning=true) "
                     f"group by recipe order by recipe")
     assert [v[0].split("-")[0] for v in versions] == ["outcome", "shaped"] and versions[0][1] == versions[1][1]
-    assert len(list((out / "_manifests").iterdir())) == 2
+    assert len(list_dataset_versions(out)) == 2 and not (out / "_manifests").exists()
     # both versions append to the same Delta tables, each under its own application transaction
     dt = DeltaTable(str(out / "steps"))
-    assert sorted(dt.transaction_version(app_id(p.name)) for p in (out / "_manifests").iterdir()) == [1, 1]
+    assert sorted(dt.transaction_version(app_id(v)) for v in list_dataset_versions(out)) == [1, 1]
     assert [b["version"].split("-")[0] for b in delta_batches(out / "steps")] == ["outcome", "shaped"]
 
 
@@ -334,8 +337,9 @@ def test_concurrent_runs_commit_disjoint_work_once(archive, tmp_path):
     counts = [json.loads(o.strip().splitlines()[-1]) for _, o, _ in results]
     assert sorted(c["episodes"] for c in counts[:2]) == [0, N] and counts[2]["episodes"] == N
     waited = [e for _, _, e in results[:2] if "waiting for its commit lock" in e]
-    versions = sorted(p.name for p in (out / "_manifests").iterdir())
-    assert [len(list((out / "_manifests" / v).glob("*.json"))) for v in versions] == [1, 1], waited
+    versions = list_dataset_versions(out)
+    assert [commit_log_of(out, v).head() for v in versions] == [1, 1], waited  # one commit each, in the log
+    assert [[m.commit for m in read_dataset_manifests(out, v)] for v in versions] == [[1], [1]]
     rows = _sql(f"select recipe, count(*), count(distinct episode_id) from "
                 f"read_parquet('{out}/trajectories/**/*.parquet', hive_partitioning=true) group by recipe order by 1")
     assert [r[1:] for r in rows] == [(N, N), (N, N)]
@@ -374,7 +378,7 @@ def test_a_table_delta_refuses_is_one_error_line_and_the_commit_catches_up_later
     shutil.rmtree(out / "steps" / "_delta_log")
     again = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
-    [version] = [p.name for p in (out / "_manifests").iterdir()]
+    [version] = list_dataset_versions(out)
     for table in ("steps", "trajectories"):
         assert DeltaTable(str(out / table)).transaction_version(app_id(version)) == 1, table
     assert DeltaTable(str(out / "trajectories")).to_pyarrow_dataset().count_rows() == N
@@ -384,7 +388,7 @@ def test_test_hooks_are_armed_only_inside_their_block(tmp_path):
     # in-memory records are a test hook: without it, the `raw` source is refused with one clear line
     with pytest.raises(JobError, match="in-memory records, which only tests give"):
         run_batch(out=tmp_path / "out", recipe=load_recipe("outcome"), input=testhooks.InMemoryInput())
-    assert not (tmp_path / "out" / "_manifests").exists()
+    assert not (tmp_path / "out" / "_commit_log").exists() and not (tmp_path / "out" / "_manifests").exists()
     with pytest.raises(ValueError, match="unknown crash point 'after_delta'"):
         with testhooks.crash_at("after_delta"):
             pass
@@ -392,3 +396,84 @@ def test_test_hooks_are_armed_only_inside_their_block(tmp_path):
         assert testhooks.crashes_at("after_manifest")
     assert not any(testhooks.crashes_at(p) for p in testhooks.CRASH_POINTS)
     assert testhooks.injected_records() is None
+
+
+def _to_legacy_layout(out: Path) -> dict[str, list[bytes]]:
+    """Turn a dataset back into the layout before the commit log: commit n's record as ``_manifests/V/<n>.json``."""
+    import shutil
+
+    legacy = {}
+    for v in list_dataset_versions(out):
+        legacy[v] = read_dataset_records(out, v)
+        (out / "_manifests" / v).mkdir(parents=True)
+        for n, record in enumerate(legacy[v], start=1):
+            (out / "_manifests" / v / f"{n:08d}.json").write_bytes(record)
+    shutil.rmtree(out / "_commit_log")
+    return legacy
+
+
+def test_a_legacy_dataset_is_read_as_it_is_then_moved_into_the_commit_log_by_the_next_run(tmp_path):
+    from trainer.data import scan_commits
+
+    eps = episodes(9, seed=8)
+    root = write_archive(tmp_path / "archive", [flat(eps[:4]), flat(eps[4:6])])
+    out = tmp_path / "out"
+    args = ["--source", "archive", "--archive", str(root), "--out", str(out)]
+    assert run(args)["episodes"] == 6
+    [version] = list_dataset_versions(out)
+    # two commits (the archive's two commits in one; then a second dataset commit of a third archive commit)
+    write_archive(root, [flat(eps[:4]), flat(eps[4:6]), flat(eps[6:8])])
+    assert run(args)["episodes"] == 2
+    files = _files(out)
+    legacy = _to_legacy_layout(out)
+    assert [len(r) for r in legacy.values()] == [2] and not (out / "_commit_log").exists()
+    # readers read the legacy files while no writer has come
+    assert [m.commit for m in read_dataset_manifests(out, version)] == [1, 2]
+    assert [c.commit for c in scan_commits(out, recipe=version)] == [1, 2]
+    assert [m.commit for m in read_dataset_manifests(out, version, as_of=1)] == [1]
+    with pytest.raises(CommitLogError, match=r"has commits 1\.\.2, not 3"):
+        read_dataset_manifests(out, version, as_of=3)
+    # the next run imports them (same bytes, in order), deletes them, and adds nothing
+    again = run(args)
+    assert set(again.values()) == {0} and _files(out) == files
+    assert not (out / "_manifests").exists()
+    assert commit_log_of(out, version).head() == 2 and read_dataset_records(out, version) == legacy[version]
+    assert [len(delta_batches(out / t)) for t in ("steps", "trajectories")] == [2, 2]
+    # ... and the commit after it goes on from the log
+    write_archive(root, [flat(eps[:4]), flat(eps[4:6]), flat(eps[6:8]), flat(eps[8:])])
+    assert run(args)["episodes"] == 1
+    assert [m.commit for m in read_dataset_manifests(out, version)] == [1, 2, 3]
+    [(n, distinct)] = _sql(f"select count(*), count(distinct episode_id) from "
+                           f"read_parquet('{out}/trajectories/**/*.parquet', hive_partitioning=true)")
+    assert n == distinct == 9
+
+
+def test_a_run_planned_on_a_stale_snapshot_is_refused_and_leaves_nothing(tmp_path):
+    """The commit log refuses a commit made against a snapshot another writer committed after: CommitConflict,
+    the loser's staging deleted, the winner's commit the only one (what a run without the lock would meet)."""
+    from pipelines.commit import CommitConflict, DatasetLayout, DatasetManifest, commit_staged, read_snapshot
+    from pipelines.normalize import NormState
+    from pipelines.sinks import stage_files
+    from schemas.deadletter import DeadLetter
+
+    recipe = load_recipe("outcome")
+    out = tmp_path / "out"
+
+    def staged(run: str) -> tuple[DatasetLayout, DatasetManifest]:
+        layout = DatasetLayout(out=str(out), version=recipe.version, recipe_hash=recipe.content_hash, run=run)
+        dead = DeadLetter(reason="bad_magic", message=run, source_topic=run, source_partition=0, source_offset=0,
+                          key=None, value=b"x", detected_by="test")
+        stage_files(layout.staging(1), recipe, commit=1, dead_letters=[dead])
+        return layout, DatasetManifest(commit=1, version=recipe.version, recipe_hash=recipe.content_hash,
+                                       source="raw", counts={"dead_letters": 1})
+
+    (mine, m1), (rival, m2) = staged("mine"), staged("rival")
+    (snap_mine, _), (snap_rival, _) = read_snapshot(mine), read_snapshot(rival)
+    commit_staged(rival, m2, prior_norm=NormState(recipe_hash=recipe.content_hash), snapshot=snap_rival)
+    with pytest.raises(CommitConflict, match=f"another run committed 1 of {recipe.version}"):
+        commit_staged(mine, m1, prior_norm=NormState(recipe_hash=recipe.content_hash), snapshot=snap_mine)
+    assert not os.path.exists(mine.staging(1))
+    [m] = read_dataset_manifests(out, recipe.version)
+    assert "-rival/" in m.files[0].staged and commit_log_of(out, recipe.version).head() == 1
+    [(topic,)] = _sql(f"select distinct source_topic from read_parquet('{out}/dead_letters/**/*.parquet')")
+    assert topic == "rival"

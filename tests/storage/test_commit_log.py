@@ -54,6 +54,31 @@ def test_commits_are_numbered_from_one_and_read_back_in_order(tmp_path, kind, ma
     assert dt.file_uris() == []
 
 
+def _records_in_a_fork(log: CommitLog, after: int, queue) -> None:
+    queue.put(log.read_records(after=after))
+
+
+def test_a_reader_reads_the_same_records_from_the_files_even_in_a_forked_process(tmp_path, kind, maybe_s3):
+    """read_records parses the commit files itself: the same records as a snapshot, and it works in a child
+    forked after deltalake ran in the parent (the trainer's DataLoader workers), where deltalake panics."""
+    log = CommitLog(_where(tmp_path, maybe_s3, kind, "log-r"), app_id="trajpipe.r")
+    assert log.read_records() == []
+    snap = log.snapshot()
+    for n in range(1, 4):
+        snap.commit(json.dumps({"commit": n}).encode())
+    assert log.read_records() == log.snapshot().records() and len(log.read_records()) == 3
+    assert log.read_records(after=1) == log.snapshot().records(after=1)
+    assert log.read_records(as_of=2) == log.snapshot(as_of=2).records()
+    with pytest.raises(CommitLogError, match="has commits 1..3, not 4"):
+        log.read_records(as_of=4)
+    queue = multiprocessing.get_context("fork").Queue()
+    child = multiprocessing.get_context("fork").Process(target=_records_in_a_fork, args=(log, 1, queue))
+    child.start()
+    got = queue.get(timeout=60)
+    child.join(timeout=60)
+    assert child.exitcode == 0 and got == log.read_records(after=1)
+
+
 def test_a_stale_snapshot_cannot_commit_over_a_rival(tmp_path, kind, maybe_s3):
     """Two writers plan commit 2 from the same read: one commits, the other is told (and made nothing)."""
     log = CommitLog(_where(tmp_path, maybe_s3, kind, "log-b"), app_id="trajpipe.b")

@@ -35,6 +35,7 @@ from pipelines.recipes import load_recipe
 from pipelines.trajectory_job import run, run_batch
 from schemas import locations as loc
 from schemas.codec import encode_event
+from schemas.manifests import commit_log_of, list_dataset_versions, read_dataset_records
 from schemas.storage import delta_storage_options
 from tests.helpers import create_topics, produce_messages
 from tests.pipelines.helpers import episodes, flat
@@ -61,20 +62,20 @@ def _args(events_topic, out: str) -> list[str]:
 
 
 def _listing(root: str) -> dict[str, bytes]:
-    """Relative path -> bytes of the dataset's data and state files, and the names of its manifests and dead
-    letter files (their ``created_at``/``timestamp`` differ between runs: compared without it below); not the
-    Delta logs (timestamps), nor staging (checked on its own)."""
+    """Relative path -> bytes of the dataset's data and state files, and the names of its dead letter files
+    (their ``timestamp`` differs between runs: compared without it below); not the Delta logs (timestamps;
+    the commit log is one: its manifests are compared by :func:`_manifests`), nor staging (checked on its own)."""
     out = {}
     for path in loc.list_files(root):
         rel = path[len(root.rstrip("/")) + 1:]
         if "/_delta_log/" in f"/{rel}" or rel.endswith("commit.lock") or rel.startswith("_staging/"):
             continue
-        out[rel] = b"" if rel.startswith(("_manifests/", "dead_letters/")) else loc.read_bytes(path)
+        out[rel] = b"" if rel.startswith("dead_letters/") else loc.read_bytes(path)
     return out
 
 
 def _manifests(root: str) -> list[dict]:
-    docs = [json.loads(loc.read_bytes(p)) for p in loc.list_files(loc.join(root, "_manifests"), suffix=".json")]
+    docs = [json.loads(r) for v in list_dataset_versions(root) for r in read_dataset_records(root, v)]
     for d in docs:
         d.pop("created_at")
         for f in d["files"]:  # staged under <n>-<run> on S3 (runs racing for a commit never share staging)
@@ -120,7 +121,7 @@ def test_s3_run_writes_the_local_runs_dataset_and_a_rerun_adds_nothing(events_to
     assert counts == local_counts
     assert (counts["episodes"], counts["dead_letters"], counts["events_in"]) == (N, 1, records)
     _same_dataset(uri, local)
-    [version] = loc.list_dir(loc.join(uri, "_manifests"))
+    [version] = list_dataset_versions(uri)
     options = delta_storage_options(uri)
     for table in ("steps", "trajectories"):
         dt = DeltaTable(loc.join(uri, table), storage_options=options)
@@ -150,7 +151,7 @@ def test_micro_batches_then_a_rerun(kafka_broker, s3_env, tmp_path):
         assert run(_args(events, uri)) == run(_args(events, local))
     before = _listing(uri)
     assert set(run(_args(events, uri)).values()) == {0} and _listing(uri) == before
-    assert len(loc.list_files(loc.join(uri, "_manifests"), suffix=".json")) == 2
+    assert len(_manifests(uri)) == 2
     _same_dataset(uri, local)
     assert [b["commit"] for b in delta_batches(loc.join(uri, "steps"))] == ["1", "2"]
 
@@ -165,8 +166,7 @@ def test_crash_at_a_commit_point_then_rerun_gives_the_same_dataset(events_topic,
     kafka = KafkaInput(conn=KafkaConnection(bootstrap_servers=bootstrap, client_id="trajpipe-test"), topic=topic)
     with testhooks.crash_at(crash_at), pytest.raises(CommitError, match="simulated crash"):
         run_batch(out=uri, recipe=load_recipe("outcome"), input=kafka)
-    manifests = loc.list_files(loc.join(uri, "_manifests"), suffix=".json")
-    assert len(manifests) == (0 if crash_at == "before_manifest" else 1)
+    assert len(_manifests(uri)) == (0 if crash_at == "before_manifest" else 1)
     again = run(_args(events_topic, uri))
     assert again["episodes"] == (N if crash_at == "before_manifest" else 0)
     _same_dataset(uri, local)
@@ -186,7 +186,7 @@ def _trajpipe(env: dict, args: list[str]) -> subprocess.Popen:
 
 
 def test_two_runs_at_once_commit_every_episode_once(events_topic, local_run, s3_env):
-    """No lock on S3: both plan commit 1; the create-only manifest lets one win. The other ends with one error
+    """No lock on S3: both plan commit 1; the commit log lets one win. The other ends with one error
     line (exit 2) and leaves nothing, or -- if it started after the commit -- finds the input covered."""
     local, _ = local_run
     uri = s3_env.uri(f"race-{uuid.uuid4().hex[:8]}", "datasets")
@@ -207,7 +207,7 @@ def test_two_runs_at_once_commit_every_episode_once(events_topic, local_run, s3_
     again = run(_args(events_topic, uri))  # the refused run's rerun: the input is covered
     assert set(again.values()) == {0}
     _same_dataset(uri, local)
-    assert len(loc.list_files(loc.join(uri, "_manifests"), suffix=".json")) == 1
+    assert len(_manifests(uri)) == 1 and not loc.list_files(loc.join(uri, "_manifests"))
     assert not [p for p in loc.list_files(uri) if "/_staging/" in p]
 
 
@@ -219,3 +219,25 @@ def test_create_only_put_refuses_a_second_writer(s3_env):
     assert loc.read_bytes(key) == b'{"run": 1}'
     loc.write_atomic(key, b'{"run": 3}')  # a plain PUT still replaces it
     assert loc.read_bytes(key) == b'{"run": 3}'
+
+
+def test_a_legacy_dataset_on_s3_is_moved_into_the_commit_log_by_the_next_run(events_topic, local_run, s3_env):
+    """A dataset written before the commit log (``_manifests/<V>/<n>.json``, no ``_commit_log/``): read as it
+    is, then the next run imports the files into the log (same bytes) and deletes them, adding nothing."""
+    local, _ = local_run
+    uri = s3_env.uri(f"legacy-{uuid.uuid4().hex[:8]}", "datasets")
+    run(_args(events_topic, uri))
+    [version] = list_dataset_versions(uri)
+    records = read_dataset_records(uri, version)
+    for n, record in enumerate(records, start=1):
+        loc.write_atomic(loc.join(uri, "_manifests", version, f"{n:08d}.json"), record)
+    loc.delete_dir(loc.join(uri, "_commit_log"))
+    assert not commit_log_of(uri, version).exists() and read_dataset_records(uri, version) == records
+    before = _listing(uri)
+    again = run(_args(events_topic, uri))
+    assert set(again.values()) == {0}
+    assert not loc.list_files(loc.join(uri, "_manifests"))
+    assert commit_log_of(uri, version).head() == len(records) and read_dataset_records(uri, version) == records
+    data_and_state = lambda listing: {k: v for k, v in listing.items() if not k.startswith("_manifests/")}  # noqa: E731
+    assert data_and_state(_listing(uri)) == data_and_state(before)
+    _same_dataset(uri, local)

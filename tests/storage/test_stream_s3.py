@@ -38,6 +38,7 @@ from pipelines.delta_tables import delta_batches
 from pipelines.trajectory_job import run
 from schemas import locations as loc
 from schemas.codec import encode_event
+from schemas.manifests import list_dataset_versions, read_dataset_records
 from schemas.storage import delta_storage_options
 from tests.helpers import create_topics, produce_messages
 from tests.pipelines.helpers import episodes
@@ -108,7 +109,7 @@ def _rows(root: str, table: str) -> pa.Table:
 
 
 def _manifests(root: str) -> list[dict]:
-    return [json.loads(loc.read_bytes(p)) for p in loc.list_files(loc.join(root, "_manifests"), suffix=".json")]
+    return [json.loads(r) for v in list_dataset_versions(root) for r in read_dataset_records(root, v)]
 
 
 def _same_rows(uri: str, local: str) -> None:
@@ -142,7 +143,7 @@ def test_stream_to_s3_is_the_local_stream_and_a_restart_adds_nothing(events, loc
     assert all(m["mode"] == "stream" and m["pane"] for m in manifests)
     assert [m["counts"]["pending_episodes"] for m in manifests if m["pending_file"]] == [OPEN]
     # One Delta transaction per table per commit that wrote to it, batch ids in commit order.
-    [version] = loc.list_dir(loc.join(uri, "_manifests"))
+    [version] = list_dataset_versions(uri)
     steps_commits = [m["commit"] for m in manifests if any(f["path"].startswith("steps/") for f in m["files"])]
     assert [int(b["commit"]) for b in delta_batches(loc.join(uri, "steps"))] == steps_commits
     assert all(b["batch_id"].startswith(f"{version}/") for b in delta_batches(loc.join(uri, "steps")))
@@ -242,7 +243,8 @@ def test_crash_between_the_manifest_and_the_delta_transactions_then_restart(even
 def test_a_pane_that_loses_the_manifest_race_is_planned_again_on_top_of_the_winner(events, local_stream, s3_env,
                                                                                   monkeypatch):
     """Another run commits number n (a dead letter of another topic) between the pane's planning and its
-    manifest PUT: the create-only PUT refuses the pane's manifest, the pane deletes its staging, plans again
+    commit: the commit log refuses the pane's commit (made against the snapshot it planned on), the pane
+    deletes its staging, plans again
     on top of commit n and commits n + 1. Nothing is lost or doubled: the rows are the local stream's plus
     the rival's dead letter."""
     import msgspec
@@ -266,7 +268,7 @@ def test_a_pane_that_loses_the_manifest_race_is_planned_again_on_top_of_the_winn
                         dead_letters=[dead])
             rivals.append(commit_staged(rival, DatasetManifest(
                 commit=manifest.commit, version=manifest.version, recipe_hash=manifest.recipe_hash, source="kafka",
-                counts={"dead_letters": 1}), prior_norm=kw["prior_norm"]))
+                counts={"dead_letters": 1}), prior_norm=kw["prior_norm"], snapshot=rival.log.snapshot()))
         return commit_staged(layout, manifest, **kw)
 
     monkeypatch.setattr(stream_commit, "commit_staged", a_rival_commits_first)

@@ -15,6 +15,7 @@ import pytest
 
 from rollout.context import model_input_of
 from schemas.events import as_logprobs, as_token_ids
+from schemas.manifests import commit_log_of
 from trainer.data import DataError, StepFilter, TrajectoryLoader, TrajectoryStream, plan_windows, scan_commits
 from trainer.synthetic import DEFAULT_RECIPE, make_step_rows, write_steps_commit
 
@@ -290,9 +291,8 @@ def test_order_is_deterministic_per_seed(make_dataset):
                                   '"files": "steps/a.parquet"}', '{"files": []}'])
 def test_a_bad_manifest_is_one_data_error(make_dataset, text):
     root = make_dataset((4,))
-    path = root / "_manifests" / DEFAULT_RECIPE / "00000002.json"
-    path.write_text(text)
-    with pytest.raises(DataError, match=r"commit manifest .*00000002.json is unreadable or has no `files` list"):
+    commit_log_of(root, DEFAULT_RECIPE).snapshot().commit(text.encode())  # commit 2's record is no manifest
+    with pytest.raises(DataError, match=rf"commit 2 of {DEFAULT_RECIPE} at .* is unreadable or has no `files` list"):
         scan_commits(root, recipe=DEFAULT_RECIPE)
     assert [c.commit for c in scan_commits(root, recipe=DEFAULT_RECIPE, upto=1)] == [1]
 
@@ -306,8 +306,8 @@ def test_uncommitted_files_are_never_visible(make_dataset):
     shutil.copy(stray, stray.with_name("c00000099-s0000.parquet"))
     assert [c.commit for c in scan_commits(root, recipe=DEFAULT_RECIPE)] == [1]
     # commit 2's manifest lands before its files are renamed into place: still invisible
-    m = write_steps_commit(root / "scratch", make_step_rows(1), commit=2)
-    (root / "_manifests" / DEFAULT_RECIPE / "00000002.json").write_text(json.dumps(m))
+    m = write_steps_commit(root / "scratch", make_step_rows(1), commit=2, publish=False)
+    commit_log_of(root, DEFAULT_RECIPE).snapshot().commit(json.dumps(m).encode())
     assert [c.commit for c in scan_commits(root, recipe=DEFAULT_RECIPE)] == [1]
     eps = _episodes(TrajectoryStream(root, seq_len=256, batch_size=2))
     assert len(eps) == 10 and not any(e.startswith("x2") for e in eps) and len(set(eps)) == 10

@@ -17,6 +17,7 @@ import pytest
 
 from rollout.model import init_tiny_model
 from schemas.codec import decode_event
+from schemas.manifests import list_dataset_versions, read_dataset_records
 from streams.consumer import OffsetRange, end_offsets, read_range
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -75,5 +76,5 @@ def test_synth_archive_pipeline_train_publish_on_the_authenticated_broker(kafka_
         held = [root] if root.is_file() and secret.encode() in root.read_bytes() else (
             _files_holding(root, secret.encode()) if root.is_dir() else [])
         assert held == [] or held == [kafka_auth_broker.password_files["alice"]], held
-    manifests = list((data / "_manifests").rglob("*.json"))
-    assert manifests and all(secret not in m.read_text() for m in manifests)
+    records = [r for v in list_dataset_versions(data) for r in read_dataset_records(data, v)]
+    assert records and all(secret.encode() not in r for r in records)

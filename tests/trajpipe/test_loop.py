@@ -221,6 +221,7 @@ def test_loop_kill9_each_part_then_resume_loses_nothing(tmp_path: Path) -> None:
         from pipelines.commit import DatasetLayout, held_episode_ids, load_held_state, read_manifests
         from pipelines.query import register_views
         from schemas.events import EpisodeFinished, EpisodeStarted
+        from schemas.manifests import list_dataset_versions
 
         events = _topic_events(bootstrap)
         con = duckdb.connect()
@@ -230,7 +231,7 @@ def test_loop_kill9_each_part_then_resume_loses_nothing(tmp_path: Path) -> None:
         purpose = {e.episode_id: getattr(e, "purpose", "train") for e in events if isinstance(e, EpisodeStarted)}
         finished = {e.episode_id for e in events if isinstance(e, EpisodeFinished) and purpose.get(e.episode_id) == "train"}
         in_data = {r[0] for r in con.sql("select distinct episode_id from trajectories").fetchall()}
-        version = next((run / "data" / "_manifests").iterdir()).name
+        [version] = list_dataset_versions(run / "data")
         layout = DatasetLayout(out=str(run / "data"), version=version, recipe_hash="")
         held = held_episode_ids(load_held_state(layout, read_manifests(layout)))
         assert finished - in_data <= held, sorted(finished - in_data - held)[:5]
