@@ -242,7 +242,10 @@ def _run_batch_locked(
         else:
             buckets = shuffle_buckets(sum(len(r) for r in raw_records))
             batches = p | "RawRecords" >> beam.Create(list(raw_records), reshuffle=False)
-        read = batches | "KeyFrames" >> KeyFrames(buckets=buckets)
+        # In-process, the frames go through the shuffle as references to files under the staging directory
+        # (deleted with it on commit); a cluster runner's shuffle carries them itself.
+        spill = loc.join(staging, "_frames") if runner_name == "FnApiRunner" and not layout.remote else None
+        read = batches | "KeyFrames" >> KeyFrames(buckets=buckets, spill_dir=spill)
         frames = read.frames
     if pending_path:
         pending_in = (p | "PendingFile" >> beam.Create([pending_path], reshuffle=False)
