@@ -73,6 +73,7 @@ from pipelines.frames import (
     KeyFrames,
     shuffle_buckets,
 )
+from pipelines.gcpause import gc_frozen
 from pipelines.groups import DEFAULT_GROUP_TIMEOUT_S
 from pipelines.inputs import ArchiveInput, ArchivePlan, BatchInput, KafkaInput, KafkaPlan
 from pipelines.job_args import (
@@ -285,8 +286,9 @@ def _run_batch_locked(
     _ = ((read[COUNTS_TAG], assembled[COUNTS_TAG], *(pr[COUNTS_TAG] for pr in processed)), assembled[CLOCK_TAG]) \
         | "StageCounts" >> StageCounts(staging)
     try:
-        result = p.run()
-        result.wait_until_finish()
+        with gc_frozen():  # the in-process runner's bundles run here (pipelines/gcpause.py)
+            result = p.run()
+            result.wait_until_finish()
         counts, run_clock_s = _counts_from_files(staging, pending_path)
         _compare_with_metrics(counts, result)
         counts.update(stage_corrections(out, staging, recipe=recipe, commit=commit, manifests=manifests,
