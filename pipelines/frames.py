@@ -262,8 +262,9 @@ class KeyFrames(beam.PTransform):
         self._spill_dir = spill_dir
 
     def expand(self, batches):
-        return batches | "KeyFrames" >> beam.ParDo(_KeyFramesFn(self._max, self._buckets, self._spill_dir)).with_output_types(
-            Tuple[int, bytes]).with_outputs(DEAD_LETTER_TAG, COUNTS_TAG, main="frames")
+        fn = _KeyFramesFn(self._max, self._buckets, self._spill_dir)
+        return batches | "KeyFrames" >> beam.ParDo(fn).with_output_types(Tuple[int, bytes]).with_outputs(
+            DEAD_LETTER_TAG, COUNTS_TAG, main="frames")
 
 
 def to_frames(fragment: tuple[str, list[Event]], topic: str, buckets: int = 1) -> tuple[int, bytes]:

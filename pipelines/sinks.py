@@ -219,7 +219,7 @@ class RowsBuffer:
     #: Step fields copied as they are, in ``_STEP_FIELDS`` order.
     _STEP_FIELDS = ("step_index", "event_id", "policy_version", "observation_token_ids", "action_token_ids",
                     "behaviour_logprobs", "context_cut_start", "context_cut_tokens", "event_time")
-    #: Per-episode values repeated on each of its steps, in ``_episode_values`` order.
+    #: Per-episode values repeated on each of its steps, in the order ``add`` records them.
     _EPISODE_FIELDS = ("episode_id", "task_id", "task_group", "status", "num_steps", "temperature", "top_p",
                        "top_k", "policy_lineage", "trainable", "group_advantage", "group_size")
     _ARRAYS = ("reward", "return_to_go", "advantage", "normalized_advantage")
@@ -285,7 +285,8 @@ class RowsBuffer:
             counts = np.array(self._step_counts, dtype=np.int64)
             obs = np.fromiter(map(len, columns["observation_token_ids"]), np.int64, self.steps)
             act = np.fromiter(map(len, columns["action_token_ids"]), np.int64, self.steps)
-            columns.update(observation_tokens=obs, action_tokens=act, context_tokens=context_tokens_of(obs, act, counts))
+            columns.update(observation_tokens=obs, action_tokens=act,
+                           context_tokens=context_tokens_of(obs, act, counts))
             ends = np.cumsum(counts) - 1
             clipped = np.zeros(self.steps, dtype=bool)
             clipped[ends] = self._clipped
