@@ -74,6 +74,7 @@ from pipelines.frames import (
     KeyFrames,
     shuffle_buckets,
 )
+from pipelines.gcpause import gc_frozen
 from pipelines.groups import DEFAULT_GROUP_TIMEOUT_S
 from pipelines.inputs import ArchiveInput, ArchivePlan, BatchInput, KafkaInput, KafkaPlan
 from pipelines.job_args import (
@@ -245,7 +246,10 @@ def _run_batch_locked(
         else:
             buckets = shuffle_buckets(sum(len(r) for r in raw_records))
             batches = p | "RawRecords" >> beam.Create(list(raw_records), reshuffle=False)
-        read = batches | "KeyFrames" >> KeyFrames(buckets=buckets)
+        # In-process, the frames go through the shuffle as references to files under the staging directory
+        # (deleted with it on commit); a cluster runner's shuffle carries them itself.
+        spill = loc.join(staging, "_frames") if runner_name == "FnApiRunner" and not layout.remote else None
+        read = batches | "KeyFrames" >> KeyFrames(buckets=buckets, spill_dir=spill)
         frames = read.frames
     if pending_path:
         pending_in = (p | "PendingFile" >> beam.Create([pending_path], reshuffle=False)
@@ -285,8 +289,9 @@ def _run_batch_locked(
     _ = ((read[COUNTS_TAG], assembled[COUNTS_TAG], *(pr[COUNTS_TAG] for pr in processed)), assembled[CLOCK_TAG]) \
         | "StageCounts" >> StageCounts(staging)
     try:
-        result = p.run()
-        result.wait_until_finish()
+        with gc_frozen():  # the in-process runner's bundles run here (pipelines/gcpause.py)
+            result = p.run()
+            result.wait_until_finish()
         counts, run_clock_s = _counts_from_files(staging, pending_path)
         _compare_with_metrics(counts, result)
         counts.update(stage_corrections(out, staging, recipe=recipe, commit=commit, manifests=manifests,

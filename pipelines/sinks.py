@@ -24,6 +24,7 @@ Examples:
 from __future__ import annotations
 
 import collections
+import operator
 import os
 import uuid
 import zlib
@@ -198,13 +199,6 @@ def episode_rows(episode: Episode, recipe: Recipe) -> tuple[TrajectoryRow, list[
     return rows.trajectory_rows[0], steps
 
 
-def _token_counts(steps: Sequence[Step]) -> tuple[list[int], list[int], list[int]]:
-    """Per step: observation tokens, action tokens and ``context_tokens`` (:func:`schemas.datasets.context_tokens_of`)."""
-    obs = np.fromiter((len(s.observation_token_ids) for s in steps), np.int64, len(steps))
-    act = np.fromiter((len(s.action_token_ids) for s in steps), np.int64, len(steps))
-    return obs.tolist(), act.tolist(), context_tokens_of(obs, act, np.array([len(steps)])).tolist()
-
-
 class RowsBuffer:
     """Dataset rows of many episodes, kept as columns (no Python object per step): the definition of every column.
 
@@ -214,21 +208,33 @@ class RowsBuffer:
     trajectory row is one :func:`trajectory_row` per episode; a step row's
     columns are built here, and nowhere else (:func:`episode_rows` reads them
     back as objects).
+
+    ``add`` keeps references only (the steps, one tuple of per-episode values,
+    the per-step verdict figures); ``steps_table`` builds each column in one
+    pass over every step added: step fields transposed in C
+    (:func:`operator.attrgetter`), per-episode values made once and repeated
+    by index, token counts and ``context_tokens`` vectorized over all episodes.
     """
 
-    _LISTED = ("episode_id", "step_index", "event_id", "task_id", "task_group", "policy_version", "status",
-               "num_steps", "observation_token_ids", "action_token_ids", "observation_tokens", "action_tokens",
-               "context_tokens", "behaviour_logprobs", "temperature",
-               "top_p", "top_k", "context_cut_start", "context_cut_tokens", "policy_lineage", "trainable",
-               "loss_mask", "group_advantage", "group_size", "verifications", "verification_score",
-               "verifier_disagreements", "clipped", "event_time")
+    #: Step fields copied as they are, in ``_STEP_FIELDS`` order.
+    _STEP_FIELDS = ("step_index", "event_id", "policy_version", "observation_token_ids", "action_token_ids",
+                    "behaviour_logprobs", "context_cut_start", "context_cut_tokens", "event_time")
+    #: Per-episode values repeated on each of its steps, in the order ``add`` records them.
+    _EPISODE_FIELDS = ("episode_id", "task_id", "task_group", "status", "num_steps", "temperature", "top_p",
+                       "top_k", "policy_lineage", "trainable", "group_advantage", "group_size")
     _ARRAYS = ("reward", "return_to_go", "advantage", "normalized_advantage")
+    _get_step_fields = operator.attrgetter(*_STEP_FIELDS)
 
     def __init__(self, recipe: Recipe) -> None:
         self._recipe = recipe
         self._weights = recipe.verifier_weights
         self._trajs: list[TrajectoryRow] = []
-        self._cols: dict[str, list[Any]] = {k: [] for k in self._LISTED + self._ARRAYS}
+        self._steps: list[Step] = []
+        self._episodes: list[tuple[Any, ...]] = []
+        self._step_counts: list[int] = []
+        self._clipped: list[bool] = []
+        self._cols: dict[str, list[Any]] = {k: [] for k in ("loss_mask", "verifications", "verification_score",
+                                                             "verifier_disagreements", *self._ARRAYS)}
         self.steps = 0
 
     def __len__(self) -> int:
@@ -242,36 +248,18 @@ class RowsBuffer:
         disagreements = [step_disagreements(vs) for vs in vss]
         self._trajs.append(trajectory_row(episode, self._recipe, disagreements=sum(disagreements)))
         sampling = episode.sampling
-        c["episode_id"] += [episode.episode_id] * n
-        c["step_index"] += [s.step_index for s in ss]
-        c["event_id"] += [s.event_id for s in ss]
-        c["task_id"] += [episode.task_id] * n
-        c["task_group"] += [episode.task_group] * n
-        c["policy_version"] += [s.policy_version for s in ss]
-        c["status"] += [_status(episode)] * n
-        c["num_steps"] += [n] * n
-        c["observation_token_ids"] += [s.observation_token_ids for s in ss]
-        c["action_token_ids"] += [s.action_token_ids for s in ss]
-        obs, act, context = _token_counts(ss)
-        c["observation_tokens"] += obs
-        c["action_tokens"] += act
-        c["context_tokens"] += context
-        c["behaviour_logprobs"] += [s.behaviour_logprobs for s in ss]
-        c["temperature"] += [sampling.temperature] * n
-        c["top_p"] += [sampling.top_p] * n
-        c["top_k"] += [sampling.top_k] * n
-        c["context_cut_start"] += [s.context_cut_start for s in ss]
-        c["context_cut_tokens"] += [s.context_cut_tokens for s in ss]
-        c["policy_lineage"] += [episode.policy_lineage] * n
-        c["trainable"] += [episode.trainable] * n
+        self._episodes.append((
+            episode.episode_id, episode.task_id, episode.task_group, _status(episode), n, sampling.temperature,
+            sampling.top_p, sampling.top_k, episode.policy_lineage, episode.trainable,
+            float(episode.group_advantage or 0.0), episode.group_members))
+        self._step_counts.append(n)
+        self._clipped.append(episode.clipped)
+        self._steps += ss
         c["loss_mask"] += episode.loss_masks
-        c["group_advantage"] += [float(episode.group_advantage or 0.0)] * n
-        c["group_size"] += [episode.group_members] * n
         c["verifications"] += vss
-        c["verification_score"] += [verification_score(vs, self._weights) for vs in vss]
+        weights = self._weights
+        c["verification_score"] += [verification_score(vs, weights) for vs in vss]
         c["verifier_disagreements"] += disagreements
-        c["clipped"] += [False] * (n - 1) + [episode.clipped]
-        c["event_time"] += [s.event_time for s in ss]
         c["reward"].append(episode.rewards)
         c["return_to_go"].append(episode.returns)
         c["advantage"].append(episode.advantages)
@@ -287,12 +275,34 @@ class RowsBuffer:
     def steps_table(self) -> pa.Table:
         """The ``steps/`` table of everything added (:func:`~schemas.datasets.step_file_schema`)."""
         schema = step_file_schema()
+        if not self.steps:
+            return schema.empty_table()
         with gc_paused():
-            columns = dict(self._cols)
+            columns: dict[str, Any] = dict(self._cols)
             for k in self._ARRAYS:
-                columns[k] = np.concatenate(columns[k]).astype(np.float64) if columns[k] else np.array([])
-            columns["recipe_hash"] = [_recipe_ids(self._recipe)[1]] * self.steps
-            return pa.Table.from_arrays([_column(columns[f.name], f.type) for f in schema], schema=schema)
+                columns[k] = np.concatenate(columns[k]).astype(np.float64)
+            columns.update(zip(self._STEP_FIELDS, zip(*map(self._get_step_fields, self._steps))))
+            counts = np.array(self._step_counts, dtype=np.int64)
+            obs = np.fromiter(map(len, columns["observation_token_ids"]), np.int64, self.steps)
+            act = np.fromiter(map(len, columns["action_token_ids"]), np.int64, self.steps)
+            columns.update(observation_tokens=obs, action_tokens=act,
+                           context_tokens=context_tokens_of(obs, act, counts))
+            ends = np.cumsum(counts) - 1
+            clipped = np.zeros(self.steps, dtype=bool)
+            clipped[ends] = self._clipped
+            columns["clipped"] = clipped
+            episode_of_step = pa.array(np.repeat(np.arange(len(counts)), counts))
+            per_episode = dict(zip(self._EPISODE_FIELDS, zip(*self._episodes)))
+            arrays = []
+            for f in schema:
+                if f.name in per_episode:
+                    arrays.append(pa.array(per_episode[f.name], type=f.type).take(episode_of_step))
+                elif f.name == "recipe_hash":
+                    arrays.append(pa.array([_recipe_ids(self._recipe)[1]] * self.steps, type=f.type))
+                else:
+                    arrays.append(_column(columns[f.name], f.type, lengths={"observation_token_ids": obs,
+                                                                             "action_token_ids": act}.get(f.name)))
+            return pa.Table.from_arrays(arrays, schema=schema)
 
     def tables(self) -> tuple[pa.Table, pa.Table]:
         """``(trajectories, steps)`` tables of everything added."""
@@ -322,17 +332,19 @@ def rows_to_table(rows: Sequence[msgspec.Struct], schema: pa.Schema) -> pa.Table
         return pa.Table.from_arrays([_column(list(by_name[f.name]), f.type) for f in schema], schema=schema)
 
 
-def _offsets(values: Sequence[Sequence[Any]]) -> pa.Array:
-    lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
+def _offsets(values: Sequence[Sequence[Any]], lengths: np.ndarray | None = None) -> pa.Array:
+    if lengths is None:
+        lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
     return pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
 
 
-def _column(values: list[Any] | np.ndarray, typ: pa.DataType) -> pa.Array:
+def _column(values: Sequence[Any] | np.ndarray, typ: pa.DataType, *, lengths: np.ndarray | None = None) -> pa.Array:
+    """An Arrow column of ``typ`` from ``values``; ``lengths``: the lengths of list ``values``, when known."""
     if isinstance(values, np.ndarray):
         return pa.array(values, type=typ)
     if pa.types.is_list(typ) and values and isinstance(values[0], np.ndarray):
         flat = np.concatenate(values) if len(values) else np.array([])
-        return pa.ListArray.from_arrays(_offsets(values), pa.array(flat, type=typ.value_type), type=typ)
+        return pa.ListArray.from_arrays(_offsets(values, lengths), pa.array(flat, type=typ.value_type), type=typ)
     if pa.types.is_list(typ) and pa.types.is_struct(typ.value_type):
         items = [v for vs in values for v in vs]
         struct = typ.value_type

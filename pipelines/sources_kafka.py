@@ -58,6 +58,7 @@ from apache_beam.transforms.core import RestrictionProvider, WatermarkEstimatorP
 from apache_beam.transforms.window import TimestampedValue
 from apache_beam.utils.timestamp import MAX_TIMESTAMP, MIN_TIMESTAMP, Duration, Timestamp
 
+import pipelines.coders  # noqa: F401  (registers the element coders)
 from pipelines.types import METRICS_NAMESPACE, RawRecords
 from streams.config import KafkaConnection
 from streams.consumer import OffsetRange as KafkaOffsetRange
@@ -404,7 +405,9 @@ class ReadKafkaRange(beam.PTransform):
         return (
             pbegin
             | "PartitionRanges" >> beam.Create(self.slices, reshuffle=False)
-            | "ReadRecords" >> beam.ParDo(_ReadRangeFn(self.conn, **self._fn_kwargs))
+            # Declared, so the batches get the job's coder (pipelines/coders.py): with none, Beam's metrics
+            # sampled their size by pickling whole batches (~10 MB each).
+            | "ReadRecords" >> beam.ParDo(_ReadRangeFn(self.conn, **self._fn_kwargs)).with_output_types(RawRecords)
         )
 
 

@@ -141,6 +141,26 @@ def test_bucketed_shuffle_assembles_the_same_episodes_as_one_bucket():
                         label="dead")
 
 
+def test_spilled_frames_assemble_the_same_episodes_and_dead_letters(tmp_path):
+    from pipelines.frames import FrameRef, KeyFrames
+
+    eps = episodes(9, seed=21)
+    batches = _raw_batches(eps, size=7)  # episodes straddle batches; offset 5 is a truncated frame
+    spill = tmp_path / "frames"
+    with make_pipeline() as p:
+        read = p | beam.Create(batches) | KeyFrames(buckets=4, spill_dir=str(spill))
+        # What crosses the shuffle is a reference to the blob, not the blob.
+        refs = read.frames | beam.Map(lambda kv: type(msgspec.msgpack.decode(kv[1], type=FrameRef)).__name__)
+        assert_that(refs | beam.Distinct(), equal_to(["FrameRef"]), label="refs")
+        out = read.frames | AssembleEpisodesFromFrames()
+        summary = out["episodes"] | beam.Map(lambda e: (e.episode_id, e.num_events, len(e.steps)))
+        assert_that(summary, equal_to([(ep[0].episode_id, len(ep), ep[-1].num_steps) for ep in eps]))
+        dead = (read.dead_letters, out["dead_letters"]) | beam.Flatten()
+        assert_that(dead | beam.Map(lambda d: (d.reason, d.source_offset)), equal_to([("truncated", 5)]),
+                    label="dead")
+    assert len(list(spill.glob("*.frames"))) == len(batches)  # one file per batch
+
+
 class _Bag:
     def __init__(self) -> None:
         self.items: list = []
