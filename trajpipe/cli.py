@@ -48,7 +48,9 @@ USER_ERRORS: frozenset[tuple[str, str]] = frozenset({
     ("trainer.data", "DataError"),  # a dataset that cannot be trained on
     ("pipelines.recipes", "RecipeError"),
     ("pipelines.job_args", "JobError"),  # the trajectory jobs' options (pipelines/trajectory_job.py)
-    ("pipelines.commit", "CommitConflict"),  # an object-store run that lost the race for its commit: rerun
+    ("pipelines.commit", "CommitError"),  # CommitConflict (a run that lost the race for its commit: rerun), a
+    # dataset's commit log unreadable or differing from legacy manifest files
+    ("schemas.commit_log", "CommitLogError"),
     ("pipelines.verify", "VerifiersUnavailable"),
     ("pipelines.runners", "RunnerNotInstalledError"),
     ("streams.broker", "BrokerError"),

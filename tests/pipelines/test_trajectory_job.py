@@ -446,6 +446,19 @@ def test_a_legacy_dataset_is_read_as_it_is_then_moved_into_the_commit_log_by_the
     [(n, distinct)] = _sql(f"select count(*), count(distinct episode_id) from "
                            f"read_parquet('{out}/trajectories/**/*.parquet', hive_partitioning=true)")
     assert n == distinct == 9
+    # a legacy file restored by hand that differs from the log: `trajpipe pipeline run` stops with one line, exit 2,
+    # and changes nothing
+    from typer.testing import CliRunner
+
+    from trajpipe.cli import app
+
+    files = _files(out)
+    (out / "_manifests" / version).mkdir(parents=True)
+    (out / "_manifests" / version / "00000001.json").write_bytes(legacy[version][1])  # commit 2's record as 1
+    res = CliRunner().invoke(app, ["pipeline", "run", *args])
+    lines = [x for x in res.stderr.splitlines() if x.startswith("error:")]
+    assert res.exit_code == 2 and len(lines) == 1 and "differ at commit 1" in lines[0], res.stderr
+    assert "Traceback" not in res.stderr and _files(out) == files and commit_log_of(out, version).head() == 3
 
 
 def test_a_run_planned_on_a_stale_snapshot_is_refused_and_leaves_nothing(tmp_path):
