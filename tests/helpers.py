@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
@@ -75,3 +79,24 @@ def consume_messages(bootstrap: str, topic: str, count: int, *, timeout_s: float
         return records
     finally:
         consumer.close()
+
+
+def race_two_archivers(bootstrap: str, out: str, *, commit_every: int, spool_root: Path, cwd: Path,
+                       env_of) -> int:
+    """Two ``trajpipe archive --until-end`` processes on one archive at once; returns the events the winners archived.
+
+    Each must end with exit 0, or exit 2 and the one ``ArchiveConflict`` line (a commit the other made first),
+    no traceback; at least one wins. ``env_of(i)``: the environment of process ``i`` (topics, spool).
+    """
+    argv = [sys.executable, "-m", "trajpipe", "archive", "--bootstrap", bootstrap, "--out", out, "--until-end",
+            "--commit-every", str(commit_every)]
+    procs = [subprocess.Popen([*argv, "--spool-dir", str(spool_root / f"spool-{i}")], env=env_of(i), cwd=cwd,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    results = [(p.wait(timeout=600), *p.communicate()) for p in procs]
+    for rc, out_text, err in results:
+        assert rc in (0, 2) and "Traceback" not in err, err[-3000:]
+        if rc == 2:
+            lines = [line for line in err.splitlines() if line.startswith("error:")]
+            assert len(lines) == 1 and "another archiver made commit" in lines[0] and out_text == "", err[-3000:]
+    assert any(rc == 0 for rc, _, _ in results), results
+    return sum(json.loads(out_text.strip().splitlines()[-1])["events"] for rc, out_text, _ in results if rc == 0)

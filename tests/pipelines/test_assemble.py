@@ -125,6 +125,15 @@ def test_streaming_assembler_on_prism_loses_no_event_when_a_bundle_is_slow(monke
     assert slowed
 
 
+
+def _assert_assembles(read, eps) -> None:
+    """The episodes assembled from ``read``'s frames are ``eps``; the one dead letter is the truncated frame at 5."""
+    out = read.frames | AssembleEpisodesFromFrames()
+    summary = out["episodes"] | beam.Map(lambda e: (e.episode_id, e.num_events, len(e.steps)))
+    assert_that(summary, equal_to([(ep[0].episode_id, len(ep), ep[-1].num_steps) for ep in eps]))
+    dead = (read.dead_letters, out["dead_letters"]) | beam.Flatten()
+    assert_that(dead | beam.Map(lambda d: (d.reason, d.source_offset)), equal_to([("truncated", 5)]), label="dead")
+
 def test_bucketed_shuffle_assembles_the_same_episodes_as_one_bucket():
     from pipelines.frames import KeyFrames
 
@@ -133,12 +142,7 @@ def test_bucketed_shuffle_assembles_the_same_episodes_as_one_bucket():
     for buckets in (1, 4):  # assert_that checks each run when its pipeline finishes
         with make_pipeline() as p:
             read = p | f"Create{buckets}" >> beam.Create(batches) | KeyFrames(buckets=buckets)
-            out = read.frames | AssembleEpisodesFromFrames()
-            summary = out["episodes"] | beam.Map(lambda e: (e.episode_id, e.num_events, len(e.steps)))
-            assert_that(summary, equal_to([(ep[0].episode_id, len(ep), ep[-1].num_steps) for ep in eps]))
-            dead = (read.dead_letters, out["dead_letters"]) | beam.Flatten()
-            assert_that(dead | beam.Map(lambda d: (d.reason, d.source_offset)), equal_to([("truncated", 5)]),
-                        label="dead")
+            _assert_assembles(read, eps)
 
 
 def test_spilled_frames_assemble_the_same_episodes_and_dead_letters(tmp_path):
@@ -152,12 +156,7 @@ def test_spilled_frames_assemble_the_same_episodes_and_dead_letters(tmp_path):
         # What crosses the shuffle is a reference to the blob, not the blob.
         refs = read.frames | beam.Map(lambda kv: type(msgspec.msgpack.decode(kv[1], type=FrameRef)).__name__)
         assert_that(refs | beam.Distinct(), equal_to(["FrameRef"]), label="refs")
-        out = read.frames | AssembleEpisodesFromFrames()
-        summary = out["episodes"] | beam.Map(lambda e: (e.episode_id, e.num_events, len(e.steps)))
-        assert_that(summary, equal_to([(ep[0].episode_id, len(ep), ep[-1].num_steps) for ep in eps]))
-        dead = (read.dead_letters, out["dead_letters"]) | beam.Flatten()
-        assert_that(dead | beam.Map(lambda d: (d.reason, d.source_offset)), equal_to([("truncated", 5)]),
-                    label="dead")
+        _assert_assembles(read, eps)
     assert len(list(spill.glob("*.frames"))) == len(batches)  # one file per batch
 
 

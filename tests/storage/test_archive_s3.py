@@ -40,7 +40,7 @@ from streams import testhooks
 from streams.archive import ARCHIVE_DELTA_APP, ArchiveError, Archiver, commit_log, read_commits
 from streams.config import KafkaConnection
 from streams.synth import generate_episodes
-from tests.helpers import produce_messages
+from tests.helpers import produce_messages, race_two_archivers
 
 # ~2 min here on 2 busy cores (a Kafka broker, SeaweedFS, archiver runs, four job runs)
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -185,18 +185,8 @@ def test_two_archivers_at_once_archive_every_event_once(events_topic, local_arch
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("TRAJPIPE_")}, "PYTHONPATH": str(REPO),
            "TRAJPIPE_TOPICS__EVENTS": topic, "TRAJPIPE_TOPICS__DEAD_LETTERS": topic + ".dlq",
            "TRAJPIPE_TOPICS__CONTROL": topic + ".ctl", "TRAJPIPE_TOPICS__PARTITIONS": "3"}
-    argv = [sys.executable, "-m", "trajpipe", "archive", "--bootstrap", bootstrap, "--out", uri, "--until-end",
-            "--commit-every", str(EVERY)]
-    procs = [subprocess.Popen([*argv, "--spool-dir", str(tmp_path / f"spool-{i}")], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    results = [(p.wait(timeout=600), *p.communicate()) for p in procs]
-    for rc, out, err in results:
-        assert rc in (0, 2) and "Traceback" not in err, err[-3000:]
-        if rc == 2:
-            lines = [line for line in err.splitlines() if line.startswith("error:")]
-            assert len(lines) == 1 and "another archiver made commit" in lines[0] and out == "", err[-3000:]
-    assert any(rc == 0 for rc, _, _ in results), results
-    archived = sum(json.loads(out.strip().splitlines()[-1])["events"] for rc, out, _ in results if rc == 0)
+    archived = race_two_archivers(bootstrap, uri, commit_every=EVERY, spool_root=tmp_path, cwd=REPO,
+                                  env_of=lambda i: env)
     assert archived <= n
     again = _archiver(uri, events_topic).run()  # a loser's rerun: what nobody committed
     assert archived + again.events == n

@@ -276,25 +276,15 @@ def test_two_archivers_at_once_on_a_local_archive_archive_every_event_once(kafka
     commits of one local directory; the commit log lets one make each. A loser deletes its temporary files and
     ends with one error line (exit 2), losing nothing: the next run reads its offsets again."""
     from streams.admin import ensure_topics
-    from tests.helpers import topic_env
+    from tests.helpers import race_two_archivers, topic_env
 
     ensure_topics(KafkaConnection(bootstrap_servers=kafka_broker.bootstrap), Topics(
         events=topic_name, partitions=3, dead_letters=topic_name + ".dl", control=topic_name + ".ctl"))
     n = _produce(kafka_broker.bootstrap, topic_name, 40, seed=17)
     archive = tmp_path / "archive"
-    argv = [sys.executable, "-m", "trajpipe", "archive", "--bootstrap", kafka_broker.bootstrap, "--out",
-            str(archive), "--until-end", "--commit-every", "150"]
-    procs = [subprocess.Popen([*argv, "--spool-dir", str(tmp_path / f"spool-{i}")], env=topic_env(
-        topic_name, tmp_path / f"spool-{i}", partitions=3), cwd=Path(__file__).resolve().parents[2],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    results = [(p.wait(timeout=600), *p.communicate()) for p in procs]
-    for rc, out, err in results:
-        assert rc in (0, 2) and "Traceback" not in err, err[-3000:]
-        if rc == 2:
-            lines = [line for line in err.splitlines() if line.startswith("error:")]
-            assert len(lines) == 1 and "another archiver made commit" in lines[0] and out == "", err[-3000:]
-    assert any(rc == 0 for rc, _, _ in results), results
-    archived = sum(json.loads(out.strip().splitlines()[-1])["events"] for rc, out, _ in results if rc == 0)
+    archived = race_two_archivers(kafka_broker.bootstrap, str(archive), commit_every=150, spool_root=tmp_path,
+                                  cwd=Path(__file__).resolve().parents[2],
+                                  env_of=lambda i: topic_env(topic_name, tmp_path / f"spool-{i}", partitions=3))
     assert archived <= n
     assert _count(archive) == (archived, archived)  # what the runs say they committed, each event once
     again = _archiver(tmp_path, kafka_broker.bootstrap, topic_name, []).run()  # a loser's rerun
