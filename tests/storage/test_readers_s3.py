@@ -113,6 +113,18 @@ def test_query_on_s3_counts_what_it_counts_locally_now_and_as_of_commit_1(datase
     assert row["f"].startswith(f"{uri}/steps/recipe=") and row["commits"] == 2
 
 
+def test_report_html_of_an_s3_dataset_is_written_to_the_store(datasets, s3_store):
+    uri, _ = datasets
+    out = f"{uri}-reports/report.html"
+    proc = _trajpipe(s3_store.env(), "report", "html", "--data", uri, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts["out"] == out and counts["charts"] > 0
+    with aws_environment(s3_store):
+        page = loc.read_bytes(out)
+    assert len(page) == counts["bytes"] and page.lstrip().lower().startswith(b"<!doctype html") and b"plotly" in page
+
+
 def test_polars_scan_delta_on_s3_agrees(datasets, s3_env):
     uri, local = datasets
     s3_steps = pl.scan_delta(loc.join(uri, "steps"), storage_options=delta_storage_options(uri))
