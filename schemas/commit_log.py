@@ -271,12 +271,11 @@ class Snapshot:
                     raise CommitLogError(f"cannot make commit {n} of {self.log.root}: {err}") from err
                 table = now._table  # nothing was committed since this snapshot: the plan holds, try again
                 _logger.debug("commit %d of %s refused with no rival commit (%s): trying again", n, self.log.root, err)
-        if self._records is None and self.head:
-            self.records()
         latest = self.log._open()
         self.head, self._table = n, latest
         self._stale = latest is None or _head(latest, self.log.app_id) != n
-        self._records = (self._records or []) + [record]
+        if self._records is not None or n == 1:  # else records() reads them when asked (the table is at n or later)
+            self._records = (self._records or []) + [record]
         return n
 
 
