@@ -81,7 +81,7 @@ from pipelines.late import LATE_STATE_FILE, LateState, late_state_index, late_st
 from pipelines.normalize import NormState, RunningStats, load_norm_state
 from pipelines.sinks import GROUPS_FILE, HELD_DIR, PENDING_FILE, RUN_STATS_FILE, STAGED_SUFFIX
 from schemas import locations as loc
-from schemas.commit_log import CommitLog, CommitLogError, CommitTaken, Snapshot
+from schemas.commit_log import CommitLog, CommitLogError, CommitTaken, ImportMismatch, Snapshot
 from schemas.manifests import (
     MANIFEST_DIR,
     CommittedFile,
@@ -305,27 +305,14 @@ def _import_legacy_manifests(layout: DatasetLayout) -> int:
     legacy = read_legacy_records(layout.root, layout.version)
     if not legacy:
         return 0
-    made = 0
-    while True:
-        try:
-            snap = layout.log.snapshot()
-            if snap.head >= len(legacy):
-                break
-            snap.commit(legacy[snap.head], metadata={"trajpipe.imported_from": MANIFEST_DIR})
-            made += 1
-        except CommitTaken:
-            continue  # a rival imports too: read again, check what it made
-        except CommitLogError as err:
-            raise CommitError(str(err)) from err
     try:
-        in_log = layout.log.snapshot().records()
+        made = layout.log.import_records(legacy, sources=[MANIFEST_DIR] * len(legacy))
+    except ImportMismatch as err:
+        raise CommitError(f"{layout.version} at {layout.root} has a commit log and legacy manifests that differ "
+                          f"at commit {err.commit} ({layout.legacy_manifests}); keep the one that matches the data "
+                          "files and move the other away") from None
     except CommitLogError as err:
         raise CommitError(str(err)) from err
-    differ = [n for n, (a, b) in enumerate(zip(legacy, in_log), start=1) if a != b]
-    if differ:
-        raise CommitError(f"{layout.version} at {layout.root} has a commit log and legacy manifests that differ "
-                          f"at commit {differ[0]} ({layout.legacy_manifests}); keep the one that matches the data "
-                          "files and move the other away")
     _LOG.warning("imported %d legacy manifests of %s into its commit log (%d made by this run); deleting %s",
                  len(legacy), layout.version, made, layout.legacy_manifests)
     loc.delete_dir(layout.legacy_manifests)

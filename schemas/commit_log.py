@@ -47,7 +47,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -60,7 +60,7 @@ from schemas.storage import delta_storage_options
 
 _logger = logging.getLogger(__name__)
 
-__all__ = ["CommitLog", "CommitLogError", "CommitTaken", "Snapshot", "RECORD_KEY"]
+__all__ = ["CommitLog", "CommitLogError", "CommitTaken", "ImportMismatch", "Snapshot", "RECORD_KEY"]
 
 #: Commit-metadata key holding a commit's record (its manifest, JSON text).
 RECORD_KEY = "trajpipe.record"
@@ -84,6 +84,14 @@ class CommitTaken(CommitLogError):
     def __init__(self, commit: int, where: str) -> None:
         super().__init__(f"commit {commit} of {where} was made by another writer first")
         self.commit, self.where = commit, where
+
+
+class ImportMismatch(CommitLogError):
+    """The log already holds a commit of the records being imported, with another record."""
+
+    def __init__(self, commit: int, where: str) -> None:
+        super().__init__(f"commit {commit} of {where} differs from the record being imported")
+        self.commit = commit
 
 
 class CommitLog:
@@ -153,6 +161,34 @@ class CommitLog:
     def head(self) -> int:
         """The last commit made (0: none)."""
         return self.snapshot().head
+
+    def import_records(self, records: Sequence[bytes], *, sources: Sequence[str]) -> int:
+        """Make commits ``1 .. len(records)`` with these records where the log does not have them yet.
+
+        For moving commit records kept elsewhere (manifest files of an earlier layout) into the log. A rival
+        importing the same records at the same time is no error: the commits it makes first are checked, not made
+        again. ``sources[i]`` names where record ``i + 1`` came from (commit metadata ``trajpipe.imported_from``).
+
+        Returns:
+            How many commits this call made.
+
+        Raises:
+            ImportMismatch: the log holds one of those commits with another record.
+            CommitLogError: as :meth:`Snapshot.commit`.
+        """
+        made = 0
+        snap = self.snapshot()
+        while snap.head < len(records):
+            try:
+                snap.commit(records[snap.head], metadata={"trajpipe.imported_from": sources[snap.head]})
+                made += 1
+            except CommitTaken:
+                snap = self.snapshot()  # a rival imports too: read again, check what it made
+        held = self.snapshot().records()[:len(records)]
+        differ = [n for n, (a, b) in enumerate(zip(records, held), start=1) if a != b]
+        if differ:
+            raise ImportMismatch(differ[0], self.root)
+        return made
 
     def read_records(self, *, after: int = 0, as_of: int | None = None) -> list[bytes]:
         """The records of commits ``after + 1 ..`` through ``as_of`` (None: the last), read from the log's files.

@@ -62,7 +62,7 @@ from schemas.arrow import events_to_table
 from schemas.codec import EventDecodeError, decode_event
 from schemas.delta import META_PREFIX, add_files, txn_version
 from schemas.events import SCHEMA_VERSION, Event
-from schemas.commit_log import CommitLog, CommitLogError, CommitTaken, Snapshot
+from schemas.commit_log import CommitLog, CommitLogError, CommitTaken, ImportMismatch, Snapshot
 from schemas.storage import fsync_dir
 from streams import testhooks
 from streams.config import KafkaConnection
@@ -329,19 +329,12 @@ def _import_legacy(root: Location) -> int:
     if not legacy:
         return 0
     _decode_all(root, legacy)  # a damaged one is refused before anything is imported
-    clog = commit_log(root)
-    imported = 0
     try:
-        snap = clog.snapshot()
-        while snap.head < len(legacy):
-            try:
-                snap.commit(legacy[snap.head][1], metadata={"trajpipe.imported_from": legacy[snap.head][0]})
-                imported += 1
-            except CommitTaken:
-                snap = clog.snapshot()
-        if snap.records()[: len(legacy)] != [data for _, data in legacy]:
-            raise ArchiveError(f"archive {root}: the commit log _commit_log/ and the manifests in _commits/ "
-                               "disagree; remove the one that is wrong")
+        imported = commit_log(root).import_records([data for _, data in legacy],
+                                                   sources=[name for name, _ in legacy])
+    except ImportMismatch:
+        raise ArchiveError(f"archive {root}: the commit log _commit_log/ and the manifests in _commits/ "
+                           "disagree; remove the one that is wrong") from None
     except CommitLogError as err:
         raise ArchiveError(f"archive {root}: {err}") from err
     loc.delete_dir(_at(root, "_commits"))
@@ -607,7 +600,8 @@ class Archiver:
                 poll_interval_s: float) -> None:
         with kafka_access_errors(self.conn, what=f"read topic {self.topic!r}"), PartitionReader(self.conn) as reader:
             while not stop.is_set():
-                snapshot = _snapshot(self.out, import_legacy=False)  # imported by run()'s recovery; the plan: commit head + 1, from the manifests' end offsets
+                # imported by run()'s recovery; the plan: commit head + 1, from the manifests' end offsets
+                snapshot = _snapshot(self.out, import_legacy=False)
                 start = _next_offsets(read_commits(self.out, snapshot=snapshot))
                 end = end_offsets(self.conn, self.topic)
                 ranges = [
