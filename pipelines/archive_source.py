@@ -413,8 +413,13 @@ class ReadArchiveEpisodes(beam.PTransform):
         late: the late state of the last commit (episodes it wrote incomplete; pipelines/late.py).
         future_after_s: event times after this (epoch seconds) are future (kept, not on the clock).
 
+        downstream: :class:`pipelines.forked.ChainStage` s to run on the locally assembled episodes, in
+            ``workers`` forked processes (a :class:`pipelines.forked.ForkedChain` whose first stage, ``read``,
+            reads and assembles): then ``episodes`` is None and their outputs are on ``chain``.
+        workers: processes of that chain.
+
     Returns:
-        A ``DoOutputsTuple``: ``episodes`` (complete :class:`~pipelines.types.Episode` s),
+        A ``DoOutputsTuple`` (a dict with ``downstream``): ``episodes`` (complete :class:`~pipelines.types.Episode` s),
         ``undecided`` (with the outcomes of late events), ``clock``, ``frames``, ``dead_letters`` and
         ``feedback`` (``(Feedback, attached)``, pipelines/feedback.py), ``counts`` (pipelines/counts.py). Counters as
         ``pipeline/events_in``, ``pipeline/dead_letters``, ``pipeline/archive_files_read``,
@@ -423,9 +428,11 @@ class ReadArchiveEpisodes(beam.PTransform):
 
     def __init__(self, archive_dir: str | Path, *, files: Sequence[ArchiveFile] | None = None,
                  split: Iterable[str] = (), already_emitted: Iterable[str] = (), buckets: int = 1,
-                 late: LateState | None = None, future_after_s: float = math.inf, committed: Any = None) -> None:
+                 late: LateState | None = None, future_after_s: float = math.inf, committed: Any = None,
+                 downstream: Sequence[Any] = (), workers: int = 1) -> None:
         super().__init__()
         self._committed = committed
+        self._downstream, self._workers = list(downstream), workers
         self._files = list(files) if files is not None else list_archive_files(archive_dir)
         self._split, self._already = frozenset(split), frozenset(already_emitted)
         self._buckets = buckets
@@ -437,13 +444,17 @@ class ReadArchiveEpisodes(beam.PTransform):
         from pipelines.frames import CLOCK_TAG, UNDECIDED_TAG
         from pipelines.types import Episode
 
-        return (
-            pbegin
-            | "ListFiles" >> beam.Create(self._files, reshuffle=False)
-            | "Distribute" >> beam.Reshuffle()
-            | "ReadAndAssemble" >> beam.ParDo(_ReadFileLocalFn(
-                self._split, self._already, self._buckets, late=self._late, future_after_s=self._future_after,
-                committed=self._committed)
-            ).with_output_types(Episode).with_outputs(DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG, FRAMES_TAG,
-                                                      FEEDBACK_TAG, COUNTS_TAG, main="episodes")
-        )
+        from pipelines.forked import ChainStage, ForkedChain, output_tag
+
+        tags = (DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG, FRAMES_TAG, FEEDBACK_TAG, COUNTS_TAG)
+        read = _ReadFileLocalFn(self._split, self._already, self._buckets, late=self._late,
+                                future_after_s=self._future_after, committed=self._committed)
+        files = (pbegin
+                 | "ListFiles" >> beam.Create(self._files, reshuffle=False)
+                 | "Distribute" >> beam.Reshuffle())
+        if not self._downstream:
+            return files | "ReadAndAssemble" >> beam.ParDo(read).with_output_types(Episode).with_outputs(
+                *tags, main="episodes")
+        chain = files | "ReadAssembleInWorkers" >> ForkedChain([ChainStage("read", read, tags), *self._downstream],
+                                                                workers=self._workers)
+        return {"episodes": None, "chain": chain, **{tag: chain[output_tag("read", tag)] for tag in tags}}

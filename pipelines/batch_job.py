@@ -66,6 +66,7 @@ from pipelines.committed import CommittedView
 from pipelines.counts import COUNTS_TAG, StageCounts, read_staged_counts
 from pipelines.evaluations import EVAL_TAG, SplitEvaluations
 from pipelines.feedback import FEEDBACK_TAG, WriteFeedback, load_correction_tokenizer, stage_corrections
+from pipelines.forked import ChainStage, output_tag, usable_cpus
 from pipelines.frames import (
     CLOCK_TAG,
     UNDECIDED_TAG,
@@ -88,6 +89,7 @@ from pipelines.job_args import (
 )
 from pipelines.job_counts import COUNT_KEYS, METRIC_FOR, check_accounted, counts_from_metrics
 from pipelines.late import DEFAULT_LATE_RETENTION_S, LATE_TAG
+from pipelines.normalize import STATS_TAG
 from pipelines.process import ProcessEpisodes
 from pipelines.recipes import Recipe
 from pipelines.sinks import STAGED_SUFFIX, WriteDatasets
@@ -99,9 +101,13 @@ from streams.config import KafkaConnection, Topics
 from streams.consumer import StreamTimeoutError
 from streams.errors import KafkaUnavailable, kafka_access_errors
 
-__all__ = ["run", "run_prepared", "run_batch", "processing_time_s"]
+__all__ = ["run", "run_prepared", "run_batch", "processing_time_s", "FORK_MIN_EVENTS"]
 
 _LOG = logging.getLogger(__name__)
+
+#: Input (events; an archive: bytes / 2 KB) from which a run processes its episodes in forked workers.
+FORK_MIN_EVENTS = 20_000
+_ARCHIVE_BYTES_PER_EVENT = 2048
 
 
 def _make_runner(name: str):
@@ -166,6 +172,7 @@ def _run_batch_locked(
     max_future_s: float = DEFAULT_MAX_FUTURE_S,
     use_domain_verifiers: bool = True,
     tokenizer: str | None = None,
+    workers: int | None = None,
 ) -> dict[str, int]:
     """One micro-batch: recover, read the uncovered input, run the pipeline, commit (under the lock: :func:`run_batch`).
 
@@ -188,6 +195,10 @@ def _run_batch_locked(
         use_domain_verifiers: run ``rollout.verifiers`` in VerifySteps.
         tokenizer: model directory whose tokenizer turns corrections into ``corrections/`` samples
             (pipelines/feedback.py; None: corrections stay in ``feedback/``, counted unresolved).
+        workers: processes that assemble, verify, reward, clip and stage the episodes (a
+            :class:`pipelines.forked.ForkedChain`; FnApiRunner with a local ``out`` and input only, else 1).
+            None: :func:`pipelines.forked.usable_cpus` for an input of :data:`FORK_MIN_EVENTS` events or
+            more, else 1 (forking is not worth its few hundred milliseconds on less).
 
     Returns:
         The counts (keys :data:`COUNT_KEYS`); all zero when there was no new input.
@@ -223,8 +234,16 @@ def _run_batch_locked(
     files = plan.files if isinstance(plan, ArchivePlan) else ()
     raw_records = plan.records if isinstance(plan, _RecordsPlan) else None
     future_after_s = processing_time_s(input.source, files=files, raw_records=raw_records) + max_future_s
+    workers = _workers(workers, plan, runner_name=runner_name, remote=layout.remote)
     runner = _make_runner(runner_name)
     p = beam.Pipeline(runner=runner, options=options or PipelineOptions([]))
+    write = WriteDatasets(staging, recipe, commit=commit, shards=shards, prior=prior.stats, held=held,
+                          group_timeout_s=group_timeout_s)
+    process = ProcessEpisodes(recipe, use_domain_verifiers=use_domain_verifiers, with_counts=True)
+
+    def downstream() -> list[ChainStage]:  # what follows assembly, run in the forked workers with it
+        return [SplitEvaluations().stage(), *process.stages(), write.stage_rows()] if workers > 1 else []
+
     # Events cross the one shuffle as their raw frames (pipelines/frames.py), grouped in hash buckets of
     # episodes (a few elements per batch, not one per episode), decoded once, after it.
     # Archive files hold most episodes whole: those are assembled where the file is read, no shuffle.
@@ -235,7 +254,7 @@ def _run_batch_locked(
         buckets = shuffle_buckets(len(split) * 16)  # only episodes spread over files take the shuffle
         read = p | "ReadArchive" >> ReadArchiveEpisodes(
             plan.input.location, files=files, split=split, committed=committed, buckets=buckets,
-            future_after_s=future_after_s)
+            future_after_s=future_after_s, downstream=downstream(), workers=workers)
         local, frames = read, read[FRAMES_TAG]
     else:
         if isinstance(plan, KafkaPlan):
@@ -262,31 +281,37 @@ def _run_batch_locked(
     assembled = to_assemble | "AssembleEpisodes" >> AssembleEpisodesFromFrames(
         incomplete_after_s=incomplete_after_s, clock_floor_s=clock_s, committed=committed,
         future_after_s=future_after_s, keep_incomplete=late_retention_s > 0,
+        downstream=downstream(), workers=workers,
     )
-    # One chain per branch: a Flatten of Episodes would encode and decode every one of them.
-    branches = [assembled["episodes"]] + ([local.episodes] if local is not None else [])
-    # Evaluation episodes leave here for the evaluations table: no rewards, groups or statistics.
-    splits = [b | f"SplitEvaluations{'Local' if i else ''}" >> SplitEvaluations() for i, b in enumerate(branches)]
     incomplete = assembled[INCOMPLETE_TAG] | "SplitIncompleteEvaluations" >> SplitEvaluations(counter=None)
-    processed = [
-        s.train | f"Process{'Local' if i else ''}" >> ProcessEpisodes(recipe, use_domain_verifiers=use_domain_verifiers,
-                                                                     with_counts=True)
-        for i, s in enumerate(splits)
-    ]
-    episodes = tuple(pr["episodes"] for pr in processed)
+    if workers > 1:  # split, processed and staged in the forked workers, the assembly's chains
+        chains = [assembled["chain"]] + ([local["chain"]] if local is not None else [])
+        evaluations = tuple(c[output_tag("split", EVAL_TAG)] for c in chains)
+        process_counts = tuple(c[output_tag("rewards", COUNTS_TAG)] for c in chains)
+        rows = {"staged_parts": tuple(c.main for c in chains),
+                "staged_stats": tuple(c[output_tag("stage", STATS_TAG)] for c in chains)}
+    else:
+        # One chain per branch: a Flatten of Episodes would encode and decode every one of them.
+        branches = [assembled["episodes"]] + ([local["episodes"]] if local is not None else [])
+        # Evaluation episodes leave here for the evaluations table: no rewards, groups or statistics.
+        splits = [b | f"SplitEvaluations{'Local' if i else ''}" >> SplitEvaluations()
+                  for i, b in enumerate(branches)]
+        processed = [s.train | f"Process{'Local' if i else ''}" >> process for i, s in enumerate(splits)]
+        evaluations = tuple(s[EVAL_TAG] for s in splits)
+        process_counts = tuple(pr[COUNTS_TAG] for pr in processed)
+        rows = {"episodes": tuple(pr["episodes"] for pr in processed)}
     # Groups and normalization: the writer computes the run's group statistics from its staged rows,
     # holds groups not whole yet, and normalizes every shard with prior ⊕ the released groups'.
     dead = (read[DEAD_LETTER_TAG], assembled[DEAD_LETTER_TAG]) | "AllDeadLetters" >> beam.Flatten()
     _ = {
-        "episodes": episodes, "incomplete": incomplete.train,
+        **rows, "incomplete": incomplete.train,
         "pending": assembled[PENDING_TAG], "dead_letters": dead, "clock": assembled[CLOCK_TAG],
-        "late": assembled[LATE_TAG], "evaluations": (*(s[EVAL_TAG] for s in splits), incomplete[EVAL_TAG]),
-    } | "WriteDatasets" >> WriteDatasets(staging, recipe, commit=commit, shards=shards, prior=prior.stats,
-                                         held=held, group_timeout_s=group_timeout_s)
+        "late": assembled[LATE_TAG], "evaluations": (*evaluations, incomplete[EVAL_TAG]),
+    } | "WriteDatasets" >> write
     _ = assembled[FEEDBACK_TAG] | "WriteFeedback" >> WriteFeedback(staging, recipe, commit=commit,
                                                                    committed=committed)
     # The counts as data, staged beside the files (pipelines/counts.py): exact whatever the runner's metrics.
-    _ = ((read[COUNTS_TAG], assembled[COUNTS_TAG], *(pr[COUNTS_TAG] for pr in processed)), assembled[CLOCK_TAG]) \
+    _ = ((read[COUNTS_TAG], assembled[COUNTS_TAG], *process_counts), assembled[CLOCK_TAG]) \
         | "StageCounts" >> StageCounts(staging)
     try:
         with gc_frozen():  # the in-process runner's bundles run here (pipelines/gcpause.py)
@@ -350,6 +375,27 @@ def _plan(input: BatchInput | testhooks.InMemoryInput,
                            "(pipelines.testhooks.run_batch_on_records); use `archive` or `kafka`")
         return _RecordsPlan(records=records)
     raise JobError(f"unknown input {input!r}; give a pipelines.inputs.ArchiveInput or KafkaInput")
+
+
+def _workers(workers: int | None, plan: KafkaPlan | ArchivePlan | _RecordsPlan, *, runner_name: str,
+             remote: bool) -> int:
+    """The processes of the run's forked chain (``run_batch``'s ``workers``; 1: none, all in the runner).
+
+    Forking needs the in-process runner and local files only: the workers must reach the staging
+    directory, and the object-store clients do not survive a fork (pipelines/forked.py).
+    """
+    archive = plan.input.location if isinstance(plan, ArchivePlan) else ""
+    if runner_name != "FnApiRunner" or remote or is_remote(archive):
+        return 1
+    if workers is not None:
+        return max(1, workers)
+    if isinstance(plan, KafkaPlan):
+        events = sum(r.size for r in plan.ranges)
+    elif isinstance(plan, ArchivePlan):
+        events = sum(os.path.getsize(f.path) for f in plan.files) // _ARCHIVE_BYTES_PER_EVENT
+    else:
+        events = sum(len(r) for r in plan.records)
+    return usable_cpus() if events >= FORK_MIN_EVENTS else 1
 
 
 def processing_time_s(source: str, *, files: Sequence[ArchiveFile] = (),
@@ -440,6 +486,7 @@ def run_prepared(job: PreparedJob) -> dict[str, int]:
                 incomplete_after_s=args.incomplete_after, shards=args.shards, group_timeout_s=args.group_timeout,
                 late_retention_s=args.late_retention, max_future_s=args.max_future_s,
                 use_domain_verifiers=not args.no_domain_verifiers, tokenizer=args.tokenizer,
+                workers=args.local_workers,
             )
         except (KafkaError, KafkaUnavailable, StreamTimeoutError) as err:
             if not args.loop:

@@ -38,6 +38,7 @@ import msgspec
 import numpy as np
 from apache_beam.metrics import Metrics
 
+from pipelines.forked import ChainStage
 from pipelines.recipes import discounted_returns, gae_advantages
 from pipelines.types import METRICS_NAMESPACE, Episode
 
@@ -122,5 +123,9 @@ class ClipTrajectories(beam.PTransform):
         self._args = dict(max_steps=max_steps, max_action_tokens=max_action_tokens, gamma=gamma, lam=lam,
                           reward_min=reward_min, reward_max=reward_max)
 
+    def stage(self, name: str = "clip") -> ChainStage:
+        """This transform as a stage of a :class:`pipelines.forked.ForkedChain`."""
+        return ChainStage(name, _ClipFn(self._args))
+
     def expand(self, episodes):
-        return episodes | "Clip" >> beam.ParDo(_ClipFn(self._args)).with_output_types(Episode)
+        return episodes | "Clip" >> beam.ParDo(self.stage().fn).with_output_types(Episode)

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 
+from pipelines.forked import ChainStage
 from pipelines.recipes import Recipe
 from pipelines.types import METRICS_NAMESPACE, Episode
 from schemas.datasets import EvaluationRow
@@ -100,6 +101,10 @@ class SplitEvaluations(beam.PTransform):
         super().__init__()
         self._counter = counter
 
+    def stage(self, name: str = "split") -> ChainStage:
+        """This split as a stage of a :class:`pipelines.forked.ForkedChain` (main output: ``train``)."""
+        return ChainStage(name, _SplitFn(self._counter), (EVAL_TAG,))
+
     def expand(self, episodes):
-        return episodes | "ByPurpose" >> beam.ParDo(_SplitFn(self._counter)).with_output_types(Episode).with_outputs(
+        return episodes | "ByPurpose" >> beam.ParDo(self.stage().fn).with_output_types(Episode).with_outputs(
             EVAL_TAG, main="train")

@@ -38,7 +38,7 @@ import os
 import uuid
 import zlib
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Tuple
 
 import apache_beam as beam
@@ -61,6 +61,7 @@ from pipelines.assemble import (
 )
 from pipelines.decode import record_dead_letter, validate_event
 from pipelines.feedback import FEEDBACK_TAG, split_feedback
+from pipelines.forked import ChainStage, ForkedChain, output_tag
 from pipelines.gcpause import gc_paused
 from pipelines.late import LATE_TAG, LateEpisode, LateState, LateStateReader
 from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE, Episode, RawRecords
@@ -491,12 +492,18 @@ class AssembleFromFrames(beam.PTransform):
         self._max = max_event_bytes
         self._late, self._future_after, self._committed = late, future_after_s, committed
 
+    #: Its tagged outputs (the main output is ``episodes``).
+    TAGS = (DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG, FEEDBACK_TAG, COUNTS_TAG)
+
+    def stage(self, name: str = "assemble") -> ChainStage:
+        """This transform as the first stage of a :class:`pipelines.forked.ForkedChain` (``grouped=True``)."""
+        return ChainStage(name, _AssembleFromFramesFn(self._already, self._max, late=self._late,
+                                                      future_after_s=self._future_after, committed=self._committed),
+                          self.TAGS)
+
     def expand(self, grouped):
-        return grouped | "DecodeAssemble" >> beam.ParDo(
-            _AssembleFromFramesFn(self._already, self._max, late=self._late, future_after_s=self._future_after,
-                                  committed=self._committed)
-        ).with_output_types(Episode).with_outputs(DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG, FEEDBACK_TAG,
-                                                  COUNTS_TAG, main="episodes")
+        return grouped | "DecodeAssemble" >> beam.ParDo(self.stage().fn).with_output_types(Episode).with_outputs(
+            *self.TAGS, main="episodes")
 
 
 class AssembleEpisodesFromFrames(beam.PTransform):
@@ -525,8 +532,13 @@ class AssembleEpisodesFromFrames(beam.PTransform):
         committed: a :class:`pipelines.committed.CommittedView`: ``already_emitted`` and ``late`` are read
             from the dataset by the workers (the job graph does not grow with the history).
 
+        downstream: stages to run on the assembled episodes (a :class:`pipelines.forked.ForkedChain` in
+            ``workers`` forked processes, the assembly its first stage, named ``assemble``); their outputs
+            are on ``chain``, and ``episodes`` is None.
+        workers: processes of that chain.
+
     Returns:
-        ``{"episodes", "pending", "incomplete", "late", "dead_letters", "clock", "feedback", "counts"}``;
+        ``{"episodes", "chain", "pending", "incomplete", "late", "dead_letters", "clock", "feedback", "counts"}``;
         ``clock`` is the run's event-time clock, one float (epoch seconds); ``feedback`` the
         ``(Feedback, attached)`` pairs of the shuffled and (input ``feedback``) the local assembly
         (pipelines/feedback.py); ``counts`` the assembly's and the decision's count dicts
@@ -535,8 +547,10 @@ class AssembleEpisodesFromFrames(beam.PTransform):
 
     def __init__(self, *, incomplete_after_s: float = 3600.0, clock_floor_s: float = 0.0,
                  already_emitted: Iterable[str] = (), late: LateState | None = None,
-                 future_after_s: float = math.inf, keep_incomplete: bool = False, committed: Any = None) -> None:
+                 future_after_s: float = math.inf, keep_incomplete: bool = False, committed: Any = None,
+                 downstream: Sequence[ChainStage] = (), workers: int = 1) -> None:
         super().__init__()
+        self._downstream, self._workers = list(downstream), workers
         if incomplete_after_s < 0:
             raise ValueError(f"`incomplete_after_s` must be >= 0, got {incomplete_after_s}")
         self._after, self._floor = incomplete_after_s, clock_floor_s
@@ -547,13 +561,17 @@ class AssembleEpisodesFromFrames(beam.PTransform):
     def expand(self, pcolls):
         inputs = pcolls if isinstance(pcolls, dict) else {"frames": pcolls}
         floor = self._floor
-        assembled = (
-            inputs["frames"]
-            | "GroupByBucket" >> beam.GroupByKey()
-            | "AssembleFromFrames" >> AssembleFromFrames(already_emitted=self._already, late=self._late,
-                                                         future_after_s=self._future_after,
-                                                         committed=self._committed)
-        )
+        grouped = inputs["frames"] | "GroupByBucket" >> beam.GroupByKey()
+        assemble = AssembleFromFrames(already_emitted=self._already, late=self._late,
+                                      future_after_s=self._future_after, committed=self._committed)
+        chain = None
+        if self._downstream:  # assembly and what follows it, in forked workers (pipelines/forked.py)
+            chain = grouped | "AssembleInWorkers" >> ForkedChain([assemble.stage(), *self._downstream],
+                                                                 workers=self._workers, grouped=True)
+            assembled = {tag: chain[output_tag("assemble", tag)] for tag in AssembleFromFrames.TAGS}
+            assembled["episodes"] = None
+        else:
+            assembled = grouped | "AssembleFromFrames" >> assemble
         clocks, undecided = [assembled[CLOCK_TAG]], [assembled[UNDECIDED_TAG]]
         feedback = assembled[FEEDBACK_TAG]
         if "clock" in inputs:
@@ -574,7 +592,8 @@ class AssembleEpisodesFromFrames(beam.PTransform):
         counts = (assembled[COUNTS_TAG], decided[COUNTS_TAG]) | "AssemblyCounts" >> beam.Flatten()
         # Undecided episodes never turn out complete (completeness ignores the clock).
         return {
-            "episodes": assembled.episodes,
+            "episodes": assembled["episodes"],
+            "chain": chain,
             PENDING_TAG: decided[PENDING_TAG],
             INCOMPLETE_TAG: decided[INCOMPLETE_TAG],
             LATE_TAG: decided[LATE_TAG],

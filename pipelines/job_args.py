@@ -83,6 +83,9 @@ def parse_args(argv: Sequence[str] | None, *, mode: str | None = None) -> tuple[
                              "supervised samples (corrections/; docs/feedback.md); without it they stay in feedback/")
     parser.add_argument("--no-domain-verifiers", action="store_true",
                         help="do not re-run rollout.verifiers (keep the rollout-time verdicts and the generic checks)")
+    parser.add_argument("--local-workers", type=int, default=None, metavar="N",
+                        help="batch, in-process runner, local --out: processes that assemble, verify, reward and "
+                             "stage episodes (default: the usable CPUs for 20,000 events or more, else 1)")
     stream = parser.add_argument_group("--mode stream")
     stream.add_argument("--window-s", type=float, default=10.0, help="event-time window per commit, seconds")
     stream.add_argument("--allowed-lateness-s", type=float, default=3600.0,
@@ -154,6 +157,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise JobError(f"`--out` {args.out} is a file, not a directory; give the dataset root directory")
     if args.source == "kafka" and not args.bootstrap:
         raise JobError("`--bootstrap` is required with --source kafka")
+    if args.local_workers is not None and args.local_workers < 1:
+        raise JobError(f"`--local-workers` must be >= 1, got {args.local_workers}")
+    if args.local_workers is not None and args.mode == "stream":
+        raise JobError("`--local-workers` sets a batch run's processes; a --mode stream job runs on its runner's")
     if args.loop < 0 or args.incomplete_after < 0 or args.shards < 1:
         raise JobError("`--loop` and `--incomplete-after` must be >= 0 and `--shards` >= 1")
     if args.group_timeout < 0:

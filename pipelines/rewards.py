@@ -27,6 +27,7 @@ import numpy as np
 
 from pipelines.counts import COUNTS_TAG, BundleCounts
 from pipelines.feedback import feedback_outcome, step_feedback_terms
+from pipelines.forked import ChainStage
 from pipelines.recipes import Recipe, discounted_returns, gae_advantages, load_prm, step_rewards
 from pipelines.types import Episode
 from schemas.datasets import Verification
@@ -116,7 +117,11 @@ class ComputeProcessRewards(beam.PTransform):
         super().__init__()
         self._recipe, self._with_counts = recipe, with_counts
 
+    def stage(self, name: str = "rewards") -> ChainStage:
+        """This transform as a stage of a :class:`pipelines.forked.ForkedChain` (tagged output ``counts``)."""
+        return ChainStage(name, _RewardFn(self._recipe), (COUNTS_TAG,))
+
     def expand(self, episodes):
-        out = episodes | "Rewards" >> beam.ParDo(_RewardFn(self._recipe)).with_output_types(Episode).with_outputs(
+        out = episodes | "Rewards" >> beam.ParDo(self.stage().fn).with_output_types(Episode).with_outputs(
             COUNTS_TAG, main="episodes")
         return out if self._with_counts else out.episodes

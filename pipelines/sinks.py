@@ -44,6 +44,7 @@ from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
 from pipelines.evaluations import evaluation_row
+from pipelines.forked import ChainStage
 from pipelines.gcpause import gc_paused
 from pipelines.late import LateEpisode, write_late_files
 from pipelines.groups import (
@@ -819,7 +820,9 @@ class WriteDatasets(beam.PTransform):
     """Write one commit's staged files under ``staging`` (see the module docstring).
 
     Input: a dict of PCollections — ``episodes`` (complete, rewarded and
-    clipped; or a tuple of such PCollections, branches of one job),
+    clipped; or a tuple of such PCollections, branches of one job) and/or
+    ``staged_parts`` and ``staged_stats`` (tuples of the two outputs of
+    :meth:`stage_rows` run in :class:`pipelines.forked.ForkedChain` s),
     ``incomplete`` (Episodes with ``complete=False``), ``pending``
     (``(episode_id, events)``), ``dead_letters`` (DeadLetter), ``late``
     (:class:`~pipelines.late.LateEpisode`: the late-events table and the late
@@ -871,20 +874,28 @@ class WriteDatasets(beam.PTransform):
         self._held = held or HeldState()
         self._timeout_s = group_timeout_s
 
+    def stage_rows(self, name: str = "stage") -> ChainStage:
+        """Its row staging (complete episodes → parts) as a stage of a :class:`pipelines.forked.ForkedChain`.
+
+        Main output: ``((domain, shard), part base path)``; tagged output ``STATS_TAG``: each part's
+        group statistics. Hand them to :meth:`expand` as ``staged_parts`` and ``staged_stats``.
+        """
+        return ChainStage(name, _StageRowsFn(self._staging, self._recipe, self._shards), (STATS_TAG,))
+
     def expand(self, pcolls: dict):
         staging, version, commit = self._staging, self._recipe.version, self._commit
         # Complete and incomplete episodes are written separately: a Flatten of the two would be one
         # more encode/decode pass of every row on FnApiRunner (it materializes multi-input Flattens).
-        branches = pcolls["episodes"]
+        branches = pcolls.get("episodes", ())
         branches = tuple(branches) if isinstance(branches, (tuple, list)) else (branches,)
-        p = branches[0].pipeline
         staged = [
-            b | f"StageRows{i or ''}" >> beam.ParDo(_StageRowsFn(staging, self._recipe, self._shards))
+            b | f"StageRows{i or ''}" >> beam.ParDo(self.stage_rows().fn)
             .with_output_types(Tuple[Tuple[str, int], str]).with_outputs(STATS_TAG, main="parts")
             for i, b in enumerate(branches)
         ]
-        parts = [st.parts for st in staged]
-        partial_stats = [st[STATS_TAG] for st in staged]
+        parts = [st.parts for st in staged] + list(pcolls.get("staged_parts", ()))
+        partial_stats = [st[STATS_TAG] for st in staged] + list(pcolls.get("staged_stats", ()))
+        p = parts[0].pipeline
         if self._held.parts:
             held_parts = [((h.domain, h.shard % self._shards), h.base) for h in self._held.parts]
             parts.append(p | "HeldParts" >> beam.Create(held_parts, reshuffle=False).with_output_types(

@@ -43,6 +43,7 @@ import msgspec
 import numpy as np
 from apache_beam.metrics import Metrics
 
+from pipelines.forked import ChainStage
 from pipelines.types import METRICS_NAMESPACE, Episode
 from schemas.datasets import Verification
 from schemas.events import Step
@@ -265,5 +266,9 @@ class VerifySteps(beam.PTransform):
         if use_domain_verifiers:
             _import_verifiers()  # fail in the driver, with the fix, not in a worker
 
+    def stage(self, name: str = "verify") -> ChainStage:
+        """This transform as a stage of a :class:`pipelines.forked.ForkedChain`."""
+        return ChainStage(name, _VerifyFn(self._use_domain))
+
     def expand(self, episodes):
-        return episodes | "Verify" >> beam.ParDo(_VerifyFn(self._use_domain)).with_output_types(Episode)
+        return episodes | "Verify" >> beam.ParDo(self.stage().fn).with_output_types(Episode)

@@ -9,7 +9,13 @@ import sys
 import time
 from pathlib import Path
 
+import duckdb
+import polars as pl
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from polars.testing import assert_frame_equal
+
+from schemas import locations as loc
+from schemas.storage import delta_storage_options
 
 __all__ = ["consume_messages", "create_topics", "free_port", "produce_messages"]
 
@@ -100,3 +106,35 @@ def race_two_archivers(bootstrap: str, out: str, *, commit_every: int, spool_roo
             assert len(lines) == 1 and "another archiver made commit" in lines[0] and out_text == "", err[-3000:]
     assert any(rc == 0 for rc, _, _ in results), results
     return sum(json.loads(out_text.strip().splitlines()[-1])["events"] for rc, out_text, _ in results if rc == 0)
+
+
+def read_rows(out: Path | str, name: str, *, delta: bool = False) -> pl.DataFrame:
+    """All rows of the dataset table ``<out>/<name>/`` (hive columns included), in a canonical order.
+
+    Sorted by ``episode_id`` and ``step_index`` (where present), then every other sortable column, so
+    two datasets whose float columns differ in the last bits still line up row for row. ``delta``: from
+    the table's latest Delta snapshot instead of the directory glob (``out`` may then be an ``s3://``
+    URI; the AWS variables come from the environment).
+    """
+    if delta:
+        uri = loc.join(str(out), name)
+        df = pl.read_delta(uri, storage_options=delta_storage_options(uri) or None)
+    else:
+        df = pl.from_arrow(duckdb.connect().sql(
+            f"select * from read_parquet('{out}/{name}/**/*.parquet', hive_partitioning=true)").arrow())
+    df = df.select(sorted(df.columns))
+    # DuckDB names the zone Etc/UTC, delta-rs UTC: the same instants
+    df = df.with_columns(pl.col(pl.Datetime("us", "Etc/UTC")).dt.convert_time_zone("UTC"))
+    keys = [c for c, t in df.schema.items() if not isinstance(t, (pl.List, pl.Struct, pl.Array))]
+    first = [c for c in ("episode_id", "step_index") if c in keys]
+    return df.sort(first + [c for c in keys if c not in first])
+
+
+def assert_same_rows(got: pl.DataFrame, expected: pl.DataFrame) -> None:
+    """Equal rows (:func:`read_rows` order): exact but for floats, equal within 1e-9 relative.
+
+    Float statistics merged in another order (another runner's bundles, forked workers' parts)
+    differ in the last bits; anything more is a difference.
+    """
+    assert got.height > 0
+    assert_frame_equal(got, expected, check_exact=False, rel_tol=1e-9, abs_tol=1e-12)

@@ -20,16 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-import duckdb
-import polars as pl
 import pytest
-from polars.testing import assert_frame_equal
 
 from pipelines.flink_cluster import FlinkCluster, start_cluster, stop_cluster
-from schemas import locations as loc
-from schemas.storage import delta_storage_options
 from pipelines.runners import RunnerConfigError, flink_cluster_master, runner_options
-from tests.helpers import free_port, produce_messages, topic_env
+from tests.helpers import assert_same_rows, free_port, produce_messages, read_rows, topic_env
 from tests.s3_helpers import aws_environment
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,26 +38,6 @@ def _trajpipe(env: dict, *args, timeout: float = 600) -> subprocess.CompletedPro
 def _ok(proc: subprocess.CompletedProcess) -> dict:
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _table(out: Path | str, name: str, *, delta: bool = False) -> pl.DataFrame:
-    """All rows of ``<out>/<name>/`` (hive columns included), sorted on every sortable column.
-
-    ``delta``: from the table's latest Delta snapshot instead of the directory glob (``out`` may then
-    be an ``s3://`` URI; the AWS variables come from the environment).
-    """
-    if delta:
-        uri = loc.join(str(out), name)
-        df = pl.read_delta(uri, storage_options=delta_storage_options(uri) or None)
-        df = df.select(sorted(df.columns))
-    else:
-        df = pl.from_arrow(duckdb.connect().sql(
-            f"select * from read_parquet('{out}/{name}/**/*.parquet', hive_partitioning=true)").arrow())
-        df = df.select(sorted(df.columns))
-    # DuckDB names the zone Etc/UTC, delta-rs UTC: the same instants
-    df = df.with_columns(pl.col(pl.Datetime("us", "Etc/UTC")).dt.convert_time_zone("UTC"))
-    keys = [c for c, t in df.schema.items() if not isinstance(t, (pl.List, pl.Struct, pl.Array))]
-    return df.sort(keys)
 
 
 def test_cluster_master_needs_an_sdk_environment(monkeypatch, tmp_path):
@@ -140,11 +115,11 @@ def test_trajectory_job_on_session_cluster_same_rows_as_fnapi(kafka_broker, clus
     for name in ("steps", "trajectories", "dead_letters"):
         # A dead letter's `timestamp` is when the run detected the problem (schemas/deadletter.py): not compared.
         # the cluster's rows as its Delta tables hold them, FnApiRunner's as the files on disk
-        fn_rows = _table(tmp_path / "fnapi", name).drop("timestamp", strict=False)
+        fn_rows = read_rows(tmp_path / "fnapi", name).drop("timestamp", strict=False)
         with aws_environment(s3_store):  # the test process reads the store with the same variables
-            flink_rows = _table(flink_out, name, delta=True).drop("timestamp", strict=False)
+            flink_rows = read_rows(flink_out, name, delta=True).drop("timestamp", strict=False)
         assert fn_rows.height > 0, name
-        assert_frame_equal(flink_rows, fn_rows, check_exact=False, rel_tol=1e-9, abs_tol=1e-12)
+        assert_same_rows(flink_rows, fn_rows)
 
     # It ran on the cluster: the JobManager lists it FINISHED, every task finished, and both TaskManagers
     # received tasks and started their own Python SDK workers.

@@ -215,10 +215,12 @@ def _varied_archive(root: Path) -> tuple[Path, list]:
     Recipe(name="additive", reward="verification_shaped", shaping="additive", verification_weight=0.25,
            step_penalty=0.25, normalization="group", verifier_weights={"math.step_check": 2.0}),
 ], ids=lambda r: r.name)
-def test_polars_reference_agrees(recipe, tmp_path):
+@pytest.mark.parametrize("workers", [1, 2], ids=["in-process", "forked"])
+def test_polars_reference_agrees(recipe, workers, tmp_path):
+    """The job's rows equal the polars reference's, episodes processed in the runner or in 2 forked workers."""
     root, eps = _varied_archive(tmp_path / "archive")
     out = tmp_path / "out"
-    c = run_batch(out=out, recipe=recipe, input=ArchiveInput(root), use_domain_verifiers=False)
+    c = run_batch(out=out, recipe=recipe, input=ArchiveInput(root), use_domain_verifiers=False, workers=workers)
     assert (c["groups_held"], c["episodes_held"], c["episodes_excluded"], c["pending_episodes"]) == (2, 6, 2, 1)
     from pipelines.archive_source import list_archive_files
 

@@ -15,6 +15,7 @@ import duckdb
 import pytest
 
 from pipelines.inputs import KafkaInput
+from tests.helpers import assert_same_rows, read_rows
 from pipelines.recipes import load_recipe
 from pipelines.trajectory_job import run_batch
 from rollout.model import init_tiny_model
@@ -54,6 +55,12 @@ def test_hf_rollouts_round_trip_to_the_trainer_with_their_behaviour_logprobs(kaf
     assert [r[0] for r in rows] == ["code", "math"]  # two domains, sandboxed code included
     assert all(r[2] >= 3 for r in rows)  # every episode has >= 3 steps
     tokens = sum(r[3] for r in rows)
+    # The same job with its episodes assembled, verified, rewarded and staged in 2 forked workers: the same rows.
+    forked = run_batch(out=tmp_path / "forked", recipe=load_recipe("outcome"), workers=2,
+                       input=KafkaInput(conn=conn, topic=topics.events))
+    assert forked == job
+    for table in ("steps", "trajectories"):
+        assert_same_rows(read_rows(tmp_path / "forked", table), read_rows(data, table))
 
     audit = audit_behaviour_logprobs(data, tiny, policy_version=0, seq_len=2048)
     assert audit.episodes == 8 and audit.inexact_windows == 0 and audit.episodes_without_context == 0
