@@ -48,6 +48,7 @@ from kafka.errors import KafkaError
 from pipelines import testhooks
 from pipelines.archive_source import FRAMES_TAG, ArchiveFile, ReadArchiveEpisodes, list_archive_files, split_episode_ids
 from pipelines.assemble import INCOMPLETE_TAG, PENDING_TAG
+from pipelines.beam_overhead import ViewCachingOptions, memoize_signatures
 from pipelines.commit import (
     CommitConflict,
     DatasetLayout,
@@ -236,7 +237,8 @@ def _run_batch_locked(
     future_after_s = processing_time_s(input.source, files=files, raw_records=raw_records) + max_future_s
     workers = _workers(workers, plan, runner_name=runner_name, remote=layout.remote)
     runner = _make_runner(runner_name)
-    p = beam.Pipeline(runner=runner, options=options or PipelineOptions([]))
+    memoize_signatures()  # two of Beam's fixed costs a run, paid once a process (pipelines/beam_overhead.py)
+    p = beam.Pipeline(runner=runner, options=(options or PipelineOptions([])).view_as(ViewCachingOptions))
     write = WriteDatasets(staging, recipe, commit=commit, shards=shards, prior=prior.stats, held=held,
                           group_timeout_s=group_timeout_s)
     process = ProcessEpisodes(recipe, use_domain_verifiers=use_domain_verifiers, with_counts=True)
