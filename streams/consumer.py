@@ -128,21 +128,26 @@ def partitions_for(conn: KafkaConnection, topic: str, *, timeout_s: float = 10.0
         kafka.errors.TopicAuthorizationFailedError: an ACL hides the topic from this client.
     """
     consumer = _consumer(conn)
-    checked_acl = False
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            parts = consumer.partitions_for_topic(topic)
-            if parts:
-                return sorted(parts)
-            if not checked_acl:  # a topic an ACL hides looks missing too: ask, once, which it is
-                checked_acl = True
-                raise_if_unauthorized(conn, topic)
-            if time.monotonic() >= deadline:
-                raise UnknownTopicError(f"topic {topic!r} not found on {conn.bootstrap_servers}")
-            time.sleep(0.1)
+        return _partitions_of(consumer, conn, topic, timeout_s=timeout_s)
     finally:
         consumer.close()
+
+
+def _partitions_of(consumer: KafkaConsumer, conn: KafkaConnection, topic: str, *, timeout_s: float) -> list[int]:
+    """:func:`partitions_for`, asked through an open consumer."""
+    checked_acl = False
+    deadline = time.monotonic() + timeout_s
+    while True:
+        parts = consumer.partitions_for_topic(topic)
+        if parts:
+            return sorted(parts)
+        if not checked_acl:  # a topic an ACL hides looks missing too: ask, once, which it is
+            checked_acl = True
+            raise_if_unauthorized(conn, topic)
+        if time.monotonic() >= deadline:
+            raise UnknownTopicError(f"topic {topic!r} not found on {conn.bootstrap_servers}")
+        time.sleep(0.1)
 
 
 def end_offsets(
@@ -171,11 +176,12 @@ def end_offsets(
         UnknownTopicError: the topic does not exist.
         StreamTimeoutError: some partition gave no high watermark in time.
     """
-    parts = sorted(partitions) if partitions is not None else partitions_for(conn, topic, timeout_s=timeout_s)
-    tps = [TopicPartition(topic, p) for p in parts]
     # Tiny fetches: the broker still returns one whole batch, plus the watermark.
     consumer = _consumer(conn, max_partition_fetch_bytes=1, fetch_max_bytes=1, fetch_max_wait_ms=50)
     try:
+        parts = (sorted(partitions) if partitions is not None
+                 else _partitions_of(consumer, conn, topic, timeout_s=timeout_s))  # one consumer for both
+        tps = [TopicPartition(topic, p) for p in parts]
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)
         found: dict[int, int] = {}
