@@ -444,7 +444,7 @@ class ReadArchiveEpisodes(beam.PTransform):
         from pipelines.frames import CLOCK_TAG, UNDECIDED_TAG
         from pipelines.types import Episode
 
-        from pipelines.forked import ChainStage, ForkedChain, output_tag
+        from pipelines.forked import ChainStage, ForkedChain, output_tag, per_task
 
         tags = (DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG, FRAMES_TAG, FEEDBACK_TAG, COUNTS_TAG)
         read = _ReadFileLocalFn(self._split, self._already, self._buckets, late=self._late,
@@ -455,6 +455,7 @@ class ReadArchiveEpisodes(beam.PTransform):
         if not self._downstream:
             return files | "ReadAndAssemble" >> beam.ParDo(read).with_output_types(Episode).with_outputs(
                 *tags, main="episodes")
-        chain = files | "ReadAssembleInWorkers" >> ForkedChain([ChainStage("read", read, tags), *self._downstream],
-                                                                workers=self._workers)
+        chain = files | "ReadAssembleInWorkers" >> ForkedChain(
+            [ChainStage("read", read, tags), *self._downstream], workers=self._workers,
+            per_task=per_task(len(self._files), self._workers))
         return {"episodes": None, "chain": chain, **{tag: chain[output_tag("read", tag)] for tag in tags}}

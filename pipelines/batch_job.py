@@ -67,7 +67,7 @@ from pipelines.committed import CommittedView
 from pipelines.counts import COUNTS_TAG, StageCounts, read_staged_counts
 from pipelines.evaluations import EVAL_TAG, SplitEvaluations
 from pipelines.feedback import FEEDBACK_TAG, WriteFeedback, load_correction_tokenizer, stage_corrections
-from pipelines.forked import ChainStage, output_tag, usable_cpus
+from pipelines.forked import ChainStage, output_tag, per_task, usable_cpus
 from pipelines.frames import (
     CLOCK_TAG,
     UNDECIDED_TAG,
@@ -283,7 +283,7 @@ def _run_batch_locked(
     assembled = to_assemble | "AssembleEpisodes" >> AssembleEpisodesFromFrames(
         incomplete_after_s=incomplete_after_s, clock_floor_s=clock_s, committed=committed,
         future_after_s=future_after_s, keep_incomplete=late_retention_s > 0,
-        downstream=downstream(), workers=workers,
+        downstream=downstream(), workers=workers, per_task=per_task(buckets, workers),
     )
     incomplete = assembled[INCOMPLETE_TAG] | "SplitIncompleteEvaluations" >> SplitEvaluations(counter=None)
     if workers > 1:  # split, processed and staged in the forked workers, the assembly's chains

@@ -13,9 +13,9 @@ pool of processes forked from the driver
 (:class:`concurrent.futures.ProcessPoolExecutor`, ``fork`` context). A fork
 costs milliseconds and no import; the DoFns are set up (``setup``) in the
 driver before the fork, so what they load there (the committed state a run
-builds on, the verifiers) is shared copy-on-write. Each element is one
-*bundle* in a worker: ``start_bundle``, the element through the chain,
-``finish_bundle`` of each DoFn in order (what one emits there flows on into
+builds on, the verifiers) is shared copy-on-write. Each task (``per_task``
+elements) is one *bundle* in a worker: ``start_bundle``, the elements through
+the chain, ``finish_bundle`` of each DoFn in order (what one emits there flows on into
 the next). The outputs travel back pickled and leave the ParDo as they would
 have left the DoFns: the last DoFn's main output as the main output, every
 tagged output as ``"<stage>.<tag>"`` (:func:`output_tag`). The workers'
@@ -37,7 +37,7 @@ Examples:
     ...     def process(self, x):
     ...         yield 2 * x
     ...         yield beam.pvalue.TaggedOutput("odd", x) if x % 2 else None
-    >>> out = _run_chain([ChainStage("double", Double(), ("odd",)), ChainStage("double2", Double())], 3)
+    >>> out = _run_chain([ChainStage("double", Double(), ("odd",)), ChainStage("double2", Double())], [3])
     >>> out.outputs
     [('double.odd', 3), (None, 12)]
 """
@@ -59,7 +59,7 @@ from apache_beam.metrics.execution import MetricsEnvironment
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
-__all__ = ["ChainStage", "ForkedChain", "ForkedWorkerDied", "output_tag", "usable_cpus"]
+__all__ = ["ChainStage", "ForkedChain", "ForkedWorkerDied", "output_tag", "per_task", "usable_cpus"]
 
 
 class ForkedWorkerDied(RuntimeError):
@@ -84,6 +84,16 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def per_task(elements: int, workers: int, *, tasks_per_worker: int = 4) -> int:
+    """Elements per task so that ``elements`` make about ``tasks_per_worker`` tasks per worker.
+
+    Examples:
+        >>> per_task(50, 2), per_task(32, 2), per_task(3, 2)
+        (6, 4, 1)
+    """
+    return max(1, elements // (workers * tasks_per_worker))
+
+
 @dataclass
 class _Result:
     """What one element made: ``(tag or None, value)`` pairs, and the workers' metric updates."""
@@ -101,12 +111,12 @@ def _unwrap(value: Any) -> Any:
     return value.value if isinstance(value, WindowedValue) else value
 
 
-def _run_chain(chain: Sequence[ChainStage], element: Any) -> _Result:
-    """``element`` through ``chain`` as one bundle (see the module docstring)."""
+def _run_chain(chain: Sequence[ChainStage], elements: Sequence[Any]) -> _Result:
+    """``elements`` through ``chain`` as one bundle (see the module docstring)."""
     result = _Result()
     for stage in chain:
         stage.fn.start_bundle()
-    pending = [element]
+    pending = list(elements)
     for i, stage in enumerate(chain):
         last, nxt = i == len(chain) - 1, []
 
@@ -129,12 +139,12 @@ def _run_chain(chain: Sequence[ChainStage], element: Any) -> _Result:
     return result
 
 
-def _work(element: Any) -> _Result:
-    """In a forked worker: run :data:`_CHAIN` over ``element``; collect the Beam metrics it updated."""
+def _work(elements: Sequence[Any]) -> _Result:
+    """In a forked worker: run :data:`_CHAIN` over ``elements``; collect the Beam metrics they updated."""
     container = MetricsEnvironment.current_container()  # the driver's, copied by the fork
     if container is not None:
-        container.metrics = {}  # count only this element's updates (the copy; the driver's is untouched)
-    result = _run_chain(_CHAIN, element)
+        container.metrics = {}  # count only this task's updates (the copy; the driver's is untouched)
+    result = _run_chain(_CHAIN, elements)
     if container is not None:
         for key, cell in container.metrics.items():
             name = (key.metric_name.namespace, key.metric_name.name)
@@ -147,8 +157,10 @@ def _work(element: Any) -> _Result:
 
 
 class _ForkedChainFn(beam.DoFn):
-    def __init__(self, chain: Sequence[ChainStage], workers: int, in_flight: int, grouped: bool) -> None:
+    def __init__(self, chain: Sequence[ChainStage], workers: int, in_flight: int, grouped: bool,
+                 per_task: int) -> None:
         self._chain, self._workers, self._in_flight, self._grouped = list(chain), workers, in_flight, grouped
+        self._per_task = per_task
         self._pool: ProcessPoolExecutor | None = None
         self._futures: deque[Future] = deque()
 
@@ -161,16 +173,23 @@ class _ForkedChainFn(beam.DoFn):
         _CHAIN = self._chain  # the forked workers inherit it
         self._pool = ProcessPoolExecutor(self._workers, mp_context=get_context("fork"))
         self._futures = deque()
+        self._task: list[Any] = []
 
     def process(self, element: Any) -> Iterator[Any]:
         if self._grouped:
             element = (element[0], list(element[1]))  # a GroupByKey's lazy iterable: listed to be pickled
-        self._futures.append(self._pool.submit(_work, element))
+        self._task.append(element)
+        if len(self._task) >= self._per_task:
+            self._futures.append(self._pool.submit(_work, self._task))
+            self._task = []
         while self._futures and (len(self._futures) > self._in_flight or self._futures[0].done()):
             yield from self._emit(self._result(self._futures.popleft()), windowed=False)
 
     def finish_bundle(self) -> Iterator[Any]:
         try:
+            if self._task:
+                self._futures.append(self._pool.submit(_work, self._task))
+                self._task = []
             while self._futures:
                 yield from self._emit(self._result(self._futures.popleft()), windowed=True)
         finally:
@@ -224,24 +243,28 @@ class ForkedChain(beam.PTransform):
     """Run ``chain`` (DoFns fused main → main) over each element in ``workers`` forked processes.
 
     Returns a ``DoOutputsTuple``: ``main`` is the last DoFn's main output;
-    ``result[output_tag(stage, tag)]`` each stage's tagged output. ``in_flight``
-    elements at most are submitted and not yet emitted (it bounds the driver's
-    memory). ``grouped``: the elements are a GroupByKey's ``(key, values)``
+    ``result[output_tag(stage, tag)]`` each stage's tagged output. A worker's
+    task, one bundle of the chain, is ``per_task`` elements (fewer, larger
+    bundles: fewer row parts and partial statistics; more: better balance);
+    ``in_flight`` tasks at most are submitted and not yet emitted (it bounds the
+    driver's memory). ``grouped``: the elements are a GroupByKey's ``(key, values)``
     (the values are listed to be pickled). See the module docstring for when it fits.
     """
 
     def __init__(self, chain: Sequence[ChainStage], *, workers: int, in_flight: int | None = None,
-                 grouped: bool = False, output_type: Any = None) -> None:
+                 grouped: bool = False, per_task: int = 1, output_type: Any = None) -> None:
         super().__init__()
-        if workers < 1:
-            raise ValueError(f"`workers` must be >= 1, got {workers}")
+        if workers < 1 or per_task < 1:
+            raise ValueError(f"`workers` and `per_task` must be >= 1, got {workers} and {per_task}")
+        self._per_task = per_task
         self._chain, self._workers = list(chain), workers
         self._in_flight = in_flight or 2 * workers
         self._type, self._grouped = output_type, grouped
 
     def expand(self, pcoll):
         tags = [output_tag(s.name, t) for s in self._chain for t in s.tags]
-        pardo = beam.ParDo(_ForkedChainFn(self._chain, self._workers, self._in_flight, self._grouped))
+        pardo = beam.ParDo(_ForkedChainFn(self._chain, self._workers, self._in_flight, self._grouped,
+                                            self._per_task))
         if self._type is not None:
             pardo = pardo.with_output_types(self._type)
         return pcoll | pardo.with_outputs(*tags, main="main")

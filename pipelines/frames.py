@@ -536,6 +536,7 @@ class AssembleEpisodesFromFrames(beam.PTransform):
             ``workers`` forked processes, the assembly its first stage, named ``assemble``); their outputs
             are on ``chain``, and ``episodes`` is None.
         workers: processes of that chain.
+        per_task: shuffle buckets per task of a worker (:func:`pipelines.forked.per_task`).
 
     Returns:
         ``{"episodes", "chain", "pending", "incomplete", "late", "dead_letters", "clock", "feedback", "counts"}``;
@@ -548,9 +549,9 @@ class AssembleEpisodesFromFrames(beam.PTransform):
     def __init__(self, *, incomplete_after_s: float = 3600.0, clock_floor_s: float = 0.0,
                  already_emitted: Iterable[str] = (), late: LateState | None = None,
                  future_after_s: float = math.inf, keep_incomplete: bool = False, committed: Any = None,
-                 downstream: Sequence[ChainStage] = (), workers: int = 1) -> None:
+                 downstream: Sequence[ChainStage] = (), workers: int = 1, per_task: int = 1) -> None:
         super().__init__()
-        self._downstream, self._workers = list(downstream), workers
+        self._downstream, self._workers, self._per_task = list(downstream), workers, per_task
         if incomplete_after_s < 0:
             raise ValueError(f"`incomplete_after_s` must be >= 0, got {incomplete_after_s}")
         self._after, self._floor = incomplete_after_s, clock_floor_s
@@ -567,7 +568,8 @@ class AssembleEpisodesFromFrames(beam.PTransform):
         chain = None
         if self._downstream:  # assembly and what follows it, in forked workers (pipelines/forked.py)
             chain = grouped | "AssembleInWorkers" >> ForkedChain([assemble.stage(), *self._downstream],
-                                                                 workers=self._workers, grouped=True)
+                                                                 workers=self._workers, grouped=True,
+                                                                 per_task=self._per_task)
             assembled = {tag: chain[output_tag("assemble", tag)] for tag in AssembleFromFrames.TAGS}
             assembled["episodes"] = None
         else:

@@ -67,14 +67,14 @@ def _chain() -> list[ChainStage]:
     return [ChainStage("split", _Split(), ("odd", "sizes")), ChainStage("square", _Square())]
 
 
-def _run(groups: list[tuple[int, list[int]]], *, forked: bool):
+def _run(groups: list[tuple[int, list[int]]], *, forked: bool, per_task: int = 1):
     """Outputs and the ``values_seen`` counter of the chain over ``groups`` grouped by key, fused or forked."""
     got = {}
     p = beam.Pipeline(runner=FnApiRunner())
     grouped = (p | beam.Create([(k, v) for k, vs in groups for v in vs], reshuffle=False)
                | beam.GroupByKey())  # (key, lazy iterable of values), as a shuffle hands them over
     if forked:
-        out = grouped | ForkedChain(_chain(), workers=2, grouped=True)
+        out = grouped | ForkedChain(_chain(), workers=2, grouped=True, per_task=per_task)
         main, odd, sizes = out.main, out[output_tag("split", "odd")], out[output_tag("split", "sizes")]
     else:
         split = (grouped | beam.MapTuple(lambda k, vs: (k, sorted(vs)))
@@ -99,16 +99,18 @@ def _collect(value, name: str) -> None:  # runs in this process (FnApiRunner in 
     _COLLECTED.setdefault(name, []).append(value)
 
 
-def test_forked_chain_gives_the_fused_stages_outputs_and_counters():
+@pytest.mark.parametrize("per_task", [1, 3])
+def test_forked_chain_gives_the_fused_stages_outputs_and_counters(per_task):
     groups = [(k, list(range(k, k + 7))) for k in range(1, 9)]
     fused, fused_seen = _run(groups, forked=False)
-    forked, forked_seen = _run(groups, forked=True)
+    forked, forked_seen = _run(groups, forked=True, per_task=per_task)
+    tasks = -(-8 // per_task)
     assert sorted(forked["odd"]) == sorted(fused["odd"]) and forked["sizes"] == fused["sizes"] == [8 * 7]
     assert sorted(v for v in forked["main"] if v >= 0) == sorted(v for v in fused["main"] if v >= 0)
-    assert len(forked["main"]) == 8 * 7 + 8
+    assert len(forked["main"]) == 8 * 7 + tasks
     assert fused_seen == forked_seen == 8 * 7
-    # -1 is _Square's finish_bundle marker: one per bundle, and in the workers each element is one bundle
-    assert forked["main"].count(-1) == 8 and fused["main"].count(-1) == 1
+    # -1 is _Square's finish_bundle marker: one per bundle, and in the workers each task is one bundle
+    assert forked["main"].count(-1) == tasks and fused["main"].count(-1) == 1
     assert forked["pids"] and os.getpid() not in forked["pids"]  # in the workers, never in the driver
 
 
@@ -123,6 +125,6 @@ def test_a_dofn_error_in_a_worker_fails_the_run_with_its_message():
 
 
 def test_forked_chain_options_are_checked():
-    with pytest.raises(ValueError, match="`workers` must be >= 1"):
+    with pytest.raises(ValueError, match="`workers` and `per_task` must be >= 1"):
         ForkedChain(_chain(), workers=0)
     assert issubclass(ForkedWorkerDied, RuntimeError)
