@@ -16,9 +16,9 @@ from pipelines.recipes import Recipe
 from pipelines.rewards import ComputeProcessRewards, annotate_rewards, step_passed, verification_score
 from pipelines.sinks import episode_rows
 from pipelines.types import Episode
-from pipelines.verify import VerifiersUnavailable, VerifySteps, _VerifyFn, step_disagreements
+from pipelines.verify import VerifiersUnavailable, VerifySteps, _VerifyFn, check_token_consistency, step_disagreements
 from schemas.datasets import Verification
-from schemas.events import EpisodeFinished, EpisodeStarted, EpisodeStatus, Step, make_event_id
+from schemas.events import EpisodeFinished, EpisodeStarted, EpisodeStatus, Step, as_logprobs, make_event_id
 from tests.pipelines.helpers import make_pipeline
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -56,6 +56,21 @@ def test_verify_keeps_rollout_verdicts_and_adds_pipeline_checks():
                                      ("pipeline.token_consistency", True, "pipeline", False)]),
                               ("b", [("math.check", True, "rollout", True),
                                      ("pipeline.token_consistency", False, "pipeline", False)])]))
+
+
+def test_verify_judges_every_step_of_an_episode_as_the_per_step_check_does():
+    # The DoFn checks the float32 logprobs of all steps at once (their bits read as int32, one maximum per
+    # step); each edge value below must come out as check_token_consistency says, step by step.
+    values = [[-0.5, -1e-45], [-0.0, -3.4e38], [0.0, -1.0], [1e-45, -1.0], [-np.inf, -1.0], [np.nan, -1.0],
+              [np.inf, -1.0], [-0.25, -0.75]]
+    ep = make_episode("a", outcome=1.0, n_steps=len(values), tokens=2)
+    steps = [msgspec.structs.replace(s, behaviour_logprobs=as_logprobs(v)) for s, v in zip(ep.steps, values)]
+    steps.append(msgspec.structs.replace(steps[0], behaviour_logprobs=np.array([-0.5, -0.5])))  # float64
+    steps.append(msgspec.structs.replace(steps[0], behaviour_logprobs=as_logprobs([-0.5, 1.0, -0.5, 1.0])[::2]))
+    ep = msgspec.structs.replace(ep, steps=steps, verdicts=[[] for _ in steps])
+    got = [vs[0] for vs in next(_VerifyFn(use_domain_verifiers=False).process(ep)).verdicts]
+    assert got == [check_token_consistency(s) for s in steps]
+    assert [v.passed for v in got] == [True, True, True, False, False, False, False, True, True, True]
 
 
 def _verified(episode: Episode) -> Episode:
