@@ -131,15 +131,21 @@ class _BadExtension(ValueError):
     """A MessagePack extension value the event model has no use for (msgspec passes hook errors through)."""
 
 
+_INT32_LE = np.dtype("<i4")
+_FLOAT32_LE = np.dtype("<f4")
+
+
 def _ext_hook(code: int, data: memoryview) -> Any:
+    # The view type built straight over the frame's buffer (what ``np.frombuffer(...).view(...)`` gives, one
+    # array object instead of two: three arrays per step).
     if code == _EXT_INT32:
         if len(data) % 4:
             raise _BadExtension(f"int32 array buffer of {len(data)} bytes is not a multiple of 4")
-        return np.frombuffer(data, dtype="<i4").view(TokenIds)
+        return TokenIds(len(data) // 4, _INT32_LE, data)
     if code == _EXT_FLOAT32:
         if len(data) % 4:
             raise _BadExtension(f"float32 array buffer of {len(data)} bytes is not a multiple of 4")
-        return np.frombuffer(data, dtype="<f4").view(LogProbs)
+        return LogProbs(len(data) // 4, _FLOAT32_LE, data)
     raise _BadExtension(f"unknown MessagePack extension code {code}")
 
 
