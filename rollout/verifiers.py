@@ -196,9 +196,9 @@ def parse_test_summary(stdout: str) -> dict | None:
 @register_verifier("code")
 def verify_code_step(task_spec: dict, step: dict) -> list[Verdict]:
     """``code``: written Python parses; test runs pass (fraction of cases); commands exit 0."""
-    tool = step.get("tool_name")
-    args, result = _doc(step.get("tool_args")), _doc(step.get("tool_result"))
+    tool = step.get("tool_name")  # each branch decodes only the document it reads
     if tool == "write_file":
+        args = _doc(step.get("tool_args"))
         path = str(args.get("path", ""))
         if not path.endswith(".py"):
             return []
@@ -208,6 +208,7 @@ def verify_code_step(task_spec: dict, step: dict) -> list[Verdict]:
             return [_verdict("code.parses", False, f"{path}:{err.lineno}: {err.msg}")]
         return [_verdict("code.parses", True, f"{path} parses")]
     if tool in ("run_tests", "submit"):
+        result = _doc(step.get("tool_result"))
         summary = parse_test_summary(str(result.get("stdout", "")))
         if summary is None:
             ok, why = _command_ok(result, step.get("exit_status"))
@@ -216,7 +217,7 @@ def verify_code_step(task_spec: dict, step: dict) -> list[Verdict]:
         all_pass = passed == total and result.get("exit_status", step.get("exit_status")) == 0
         return [_verdict("code.tests_pass", all_pass, f"{passed}/{total} tests passed", passed / total)]
     if tool == "run":
-        ok, why = _command_ok(result, step.get("exit_status"))
+        ok, why = _command_ok(_doc(step.get("tool_result")), step.get("exit_status"))
         return [_verdict("code.command_ok", ok, why)]
     return []
 
@@ -225,11 +226,14 @@ def verify_code_step(task_spec: dict, step: dict) -> list[Verdict]:
 def verify_math_step(task_spec: dict, step: dict) -> list[Verdict]:
     """``math``: calculator calls evaluate; stated intermediates and the answer are correct."""
     tool = step.get("tool_name")
-    args, result = _doc(step.get("tool_args")), _doc(step.get("tool_result"))
     tol = float(task_spec.get("tolerance", 0.01))
     if tool == "calc":
+        result = _doc(step.get("tool_result"))
         ok = result.get("error") is None and result.get("value") is not None
         return [_verdict("math.calc_ok", ok, str(result.get("error") or f"= {result.get('value')}"))]
+    if tool not in ("state", "answer"):
+        return []
+    args = _doc(step.get("tool_args"))
     if tool == "state":
         name = str(args.get("name", "")).strip()
         expected = {s["name"]: float(s["value"]) for s in task_spec.get("steps", [])}
@@ -250,12 +254,14 @@ def verify_math_step(task_spec: dict, step: dict) -> list[Verdict]:
 def verify_docqa_step(task_spec: dict, step: dict) -> list[Verdict]:
     """``docqa``: cited figures exist in the report and are right; the answer is right and supported."""
     tool = step.get("tool_name")
-    args, result = _doc(step.get("tool_args")), _doc(step.get("tool_result"))
     figures: dict[str, float] = task_spec.get("figures", {})
     required = list(task_spec.get("required_figures", []))
     if tool in ("search", "lookup"):
-        hits = int(result.get("hits", 0))
+        hits = int(_doc(step.get("tool_result")).get("hits", 0))
         return [_verdict(f"docqa.{tool}_hit", hits > 0, f"{hits} matching lines")]
+    if tool not in ("cite", "answer"):
+        return []
+    args = _doc(step.get("tool_args"))
     if tool == "cite":
         label = str(args.get("label", "")).strip()
         if label not in figures:
