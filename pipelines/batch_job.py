@@ -263,15 +263,24 @@ def _run_batch_locked(
             from pipelines.sources_kafka import ReadKafkaRange
 
             buckets = shuffle_buckets(sum(r.size for r in plan.ranges))
-            batches = p | "ReadKafka" >> ReadKafkaRange(plan.input.conn, plan.input.topic, list(plan.ranges))
         else:
             buckets = shuffle_buckets(sum(len(r) for r in raw_records))
-            batches = p | "RawRecords" >> beam.Create(list(raw_records), reshuffle=False)
         # In-process, the frames go through the shuffle as references to files under the staging directory
         # (deleted with it on commit); a cluster runner's shuffle carries them itself.
         spill = loc.join(staging, "_frames") if runner_name == "FnApiRunner" and not layout.remote else None
-        read = batches | "KeyFrames" >> KeyFrames(buckets=buckets, spill_dir=spill)
-        frames = read.frames
+        key_frames = KeyFrames(buckets=buckets, spill_dir=spill)
+        if isinstance(plan, KafkaPlan) and workers > 1:  # read and keyed in the forked workers
+            chain = p | "ReadKafka" >> ReadKafkaRange(plan.input.conn, plan.input.topic, list(plan.ranges),
+                                                      downstream=[key_frames.stage()], workers=workers)
+            read = {tag: chain[output_tag("keyframes", tag)] for tag in (DEAD_LETTER_TAG, COUNTS_TAG)}
+            frames = chain.main
+        else:
+            if isinstance(plan, KafkaPlan):
+                batches = p | "ReadKafka" >> ReadKafkaRange(plan.input.conn, plan.input.topic, list(plan.ranges))
+            else:
+                batches = p | "RawRecords" >> beam.Create(list(raw_records), reshuffle=False)
+            read = batches | "KeyFrames" >> key_frames
+            frames = read.frames
     if pending_path:
         pending_in = (p | "PendingFile" >> beam.Create([pending_path], reshuffle=False)
                       | "ReadPending" >> beam.ParDo(_ReadPendingFn()).with_output_types(Tuple[str, List[Event]])

@@ -262,9 +262,12 @@ class KeyFrames(beam.PTransform):
         self._buckets = buckets
         self._spill_dir = spill_dir
 
+    def stage(self, name: str = "keyframes") -> ChainStage:
+        """This transform as a stage of a :class:`pipelines.forked.ForkedChain` (main output: ``frames``)."""
+        return ChainStage(name, _KeyFramesFn(self._max, self._buckets, self._spill_dir), (DEAD_LETTER_TAG, COUNTS_TAG))
+
     def expand(self, batches):
-        fn = _KeyFramesFn(self._max, self._buckets, self._spill_dir)
-        return batches | "KeyFrames" >> beam.ParDo(fn).with_output_types(Tuple[int, bytes]).with_outputs(
+        return batches | "KeyFrames" >> beam.ParDo(self.stage().fn).with_output_types(Tuple[int, bytes]).with_outputs(
             DEAD_LETTER_TAG, COUNTS_TAG, main="frames")
 
 

@@ -209,6 +209,35 @@ class _ReadRangeFn(_FetchDoFnBase):
         tracker.try_claim(tracker.current_restriction().stop)  # only gaps (or nothing) left: finish
 
 
+class _ReadWholeRangeFn(_FetchDoFnBase):
+    """Bounded, not splittable: all of ``[start, end)`` of a partition slice, in batches (forked workers' read).
+
+    The reader is made by the process that reads, on its first element, not in ``setup``: a
+    :class:`pipelines.forked.ForkedChain` sets its DoFns up in the driver and forks, and a
+    connection must not be shared by two processes. It is closed when the bundle ends.
+    """
+
+    def __init__(self, conn: KafkaConnection, *, stall_timeout_s: float, **kw: Any) -> None:
+        super().__init__(conn, **kw)
+        self._stall_timeout_s = stall_timeout_s
+
+    def setup(self) -> None:
+        pass
+
+    def process(self, element: _Slice) -> Iterator[RawRecords]:
+        if self._reader is None:
+            self._reader = PartitionReader(self._conn, **self._reader_kw)
+        whole = KafkaOffsetRange(topic=element[0], partition=element[1], start=element[2], end=element[3])
+        for chunk in read_partition(self._reader, whole, stall_timeout_s=self._stall_timeout_s):
+            for i in range(0, len(chunk), self._batch_size):
+                batch = _records(chunk, i, i + self._batch_size)
+                self._count(batch)
+                yield batch
+
+    def finish_bundle(self) -> None:
+        self.teardown()
+
+
 class _StreamWatermarks:
     """Watermark policy of one partition (see :class:`ReadKafkaStream`)."""
 
@@ -364,6 +393,10 @@ class ReadKafkaRange(beam.PTransform):
             a long range on many workers (``None``: no initial splits).
         fetch_max_bytes: most bytes per Fetch response (each Fetch asks for one partition).
         max_partition_fetch_bytes: most bytes per partition per Fetch.
+        downstream: :class:`pipelines.forked.ChainStage` s to run on the batches: then the ranges are read
+            (whole, not split) in ``workers`` forked processes, those stages after the read, and the result
+            is the :class:`pipelines.forked.ForkedChain`'s outputs (the read stage is named ``read``).
+        workers: processes of that chain.
 
     Records are fetched by :class:`streams.fetch.PartitionReader` (kafka-python's
     connection, aiokafka's compiled record parser): ~3x the rate of a
@@ -386,8 +419,11 @@ class ReadKafkaRange(beam.PTransform):
         split_records: int | None = 250_000,
         fetch_max_bytes: int = 64 << 20,
         max_partition_fetch_bytes: int = 16 << 20,
+        downstream: Sequence[Any] = (),
+        workers: int = 1,
     ) -> None:
         super().__init__()
+        self._downstream, self._workers = list(downstream), workers
         _check_batching(batch_size, poll_timeout_ms)
         if split_records is not None and split_records < 1:
             raise ValueError(f"`split_records` must be >= 1 or None, got {split_records}")
@@ -402,6 +438,14 @@ class ReadKafkaRange(beam.PTransform):
         )
 
     def expand(self, pbegin: beam.pvalue.PBegin) -> beam.PCollection[RawRecords]:
+        if self._downstream:
+            from pipelines.forked import ChainStage, ForkedChain
+
+            read = _ReadWholeRangeFn(self.conn, **self._fn_kwargs)
+            return (pbegin
+                    | "PartitionRanges" >> beam.Create(self.slices, reshuffle=False)
+                    | "ReadInWorkers" >> ForkedChain([ChainStage("read", read), *self._downstream],
+                                                     workers=self._workers))
         return (
             pbegin
             | "PartitionRanges" >> beam.Create(self.slices, reshuffle=False)
