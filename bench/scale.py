@@ -7,10 +7,12 @@ whole topic into a fresh dataset root and commits it. Figures:
 ``pipeline_events_s_10k``, ``pipeline_events_s_100k``,
 ``pipeline_events_s_1m`` (events/s of the whole micro-batch: planning,
 reading, the Beam job, the commit) and ``pipeline_1m_events_s`` /
-``pipeline_1m_wall_s`` (the 1M run), ``pipeline_1m_peak_rss_mb``; and, since
+``pipeline_1m_wall_s`` (the 1M run), ``pipeline_1m_peak_rss_mb`` (the driver) and
+``pipeline_1m_worker_peak_rss_mb`` (the largest ended child process: the job's forked
+workers, pipelines/forked.py, or a tool the broker's start ran); and, since
 wall time on a shared machine says as much about the neighbours, the job's CPU
-time (this process, all threads): ``pipeline_events_per_cpu_s_<size>`` and
-``pipeline_1m_cpu_s``. Each run's
+time (this process, all threads, and its forked workers): ``pipeline_events_per_cpu_s_<size>``
+and ``pipeline_1m_cpu_s``. Each run's
 counts must reconcile (``events_in + events_pending_in == events_used +
 events_incomplete + events_pending_out + dead_letters + duplicates +
 late_events + feedback_events``) and ``events_in`` must be what the topic
@@ -80,9 +82,13 @@ def _copies(pool: list[list[Event]]) -> Iterator[list[Event]]:
 
 
 def _cpu_s() -> float:
-    """CPU seconds this process has used (all threads; FnApiRunner runs the job in it)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    """CPU seconds of this process (all threads; FnApiRunner runs the job in it) and its ended children.
+
+    The children are the job's forked workers (pipelines/forked.py), counted once the run has
+    joined them; the broker, a child still running, is not.
+    """
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def reconcile(counts: dict[str, int], *, expected_in: int) -> None:
@@ -128,7 +134,9 @@ def bench_scale(bootstrap: str, workdir: Path, *, max_events: int | None = None)
                                pipeline_1m_cpu_s=round(cpu_s, 1),
                                pipeline_1m_events=in_topic, pipeline_1m_episodes=counts["episodes"],
                                pipeline_1m_peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                                                             / 1024))
+                                                             / 1024),
+                               pipeline_1m_worker_peak_rss_mb=round(
+                                   resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024))
     finally:
         producer.close()
     figures["pipeline_scale_max_events"] = sent

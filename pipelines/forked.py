@@ -96,7 +96,7 @@ def per_task(elements: int, workers: int, *, tasks_per_worker: int = 4) -> int:
 
 @dataclass
 class _Result:
-    """What one element made: ``(tag or None, value)`` pairs, and the workers' metric updates."""
+    """What one task made: ``(tag or None, value)`` pairs, and the Beam metric updates of its worker."""
 
     outputs: list[tuple[str | None, Any]] = field(default_factory=list)
     counters: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -170,6 +170,7 @@ class _ForkedChainFn(beam.DoFn):
 
     def start_bundle(self) -> None:
         global _CHAIN
+        self._close()  # the pool of an earlier bundle that failed (a --loop process runs many)
         _CHAIN = self._chain  # the forked workers inherit it
         self._pool = ProcessPoolExecutor(self._workers, mp_context=get_context("fork"))
         self._futures = deque()
