@@ -14,7 +14,10 @@ from tests.pipelines.helpers import episodes, flat
 pytestmark = pytest.mark.integration
 
 
-def test_kafka_micro_batches(tansu_broker, topic_name, tmp_path):
+@pytest.mark.parametrize("workers", [None, 2], ids=["auto", "forked"])
+def test_kafka_micro_batches(tansu_broker, topic_name, tmp_path, workers):
+    """Micro-batches cover the topic once, the undecodable record a dead letter; in the runner or read,
+    assembled and staged in 2 forked workers (``workers=2``; these few events stay in one process by default)."""
     conn = KafkaConnection(bootstrap_servers=tansu_broker.bootstrap, client_id="trajpipe-test", request_timeout_ms=5_000)
     admin = KafkaAdminClient(bootstrap_servers=tansu_broker.bootstrap)
     try:
@@ -25,7 +28,7 @@ def test_kafka_micro_batches(tansu_broker, topic_name, tmp_path):
     msgs = [(e.episode_id.encode(), encode_event(e)) for e in flat(eps[:8])] + [(b"ep-x", b"junk")]
     produce_messages(tansu_broker.bootstrap, topic_name, msgs)
     kw = dict(out=tmp_path / "out", recipe=load_recipe("outcome"),
-              input=KafkaInput(conn=conn, topic=topic_name))
+              input=KafkaInput(conn=conn, topic=topic_name), workers=workers)
     c1 = run_batch(**kw)
     assert (c1["episodes"], c1["dead_letters"], c1["events_in"]) == (8, 1, len(msgs))
     assert set(run_batch(**kw).values()) == {0}  # nothing new on the topic
