@@ -143,10 +143,10 @@ def _run_sync(workdir: Path, model: Path, budget_s: float, env: dict[str, str]) 
     data, train_out = run / "data", run / "train"
     data.mkdir(parents=True)
     # The loop's own trainer recipe, ending a round once no new commit comes and publishing at that end.
-    from trajpipe.loop import _deep_merge
+    from trainer.config import deep_merge
 
     base = yaml.safe_load((REPO / cfg.trainer.config).read_text())
-    train_cfg = _deep_merge(_deep_merge(base, cfg.trainer.overrides), {
+    train_cfg = deep_merge(deep_merge(base, cfg.trainer.overrides), {
         "mode": "online", "max_steps": 1_000_000_000, "data": {"idle_timeout_s": 5.0},
         "publish": {"every": cfg.trainer.publish_every, "at_end": True},
         "checkpoint": {"every": cfg.trainer.publish_every, "at_end": True}})
