@@ -79,19 +79,31 @@ def _rollout_cmd(bootstrap: str, spool: Path, *args: str) -> list[str]:
 
 
 class _GatedPolicy(ScriptedPolicy):
-    """The first episode to reach step 1 runs through; the others wait there until ``gate`` opens."""
+    """The first episode to reach step 1 runs through; the others wait there until ``gate`` opens.
 
-    def __init__(self, gate: threading.Event) -> None:
+    With ``waiters``, the one that runs through first waits (30 s at most) until that many others wait
+    at step 1: on a loaded machine an episode's thread may not have reached step 1 yet when the runner
+    finishes, and a shutdown would then catch it at step 0.
+    """
+
+    def __init__(self, gate: threading.Event, *, waiters: int = 0) -> None:
         super().__init__(seed=1)
         self.gate = gate
         self.runner: str | None = None
-        self.lock = threading.Lock()
+        self.waiters, self.waiting = waiters, 0
+        self.cond = threading.Condition()
 
     def act(self, context):
         if context.step_index == 1:
-            with self.lock:
+            with self.cond:
                 self.runner = self.runner or context.task.task_id
-            if context.task.task_id != self.runner:
+                runs = context.task.task_id == self.runner
+                if runs:
+                    self.cond.wait_for(lambda: self.waiting >= self.waiters, timeout=30)
+                else:
+                    self.waiting += 1
+                    self.cond.notify_all()
+            if not runs:
                 self.gate.wait(30)
         return super().act(context)
 
@@ -106,7 +118,7 @@ def test_abort_closes_episodes_in_flight_gap_free():
             events.append(ev)
 
     stop = threading.Event()
-    policy = _GatedPolicy(threading.Event())
+    policy = _GatedPolicy(threading.Event(), waiters=3)  # the other three in flight are at step 1 first
     worker = RolloutWorker(policy, emit=emit, scheduler=make_scheduler(["math"], seed=1),
                            config=RolloutConfig(episodes=50, concurrency=4, max_steps=20, producer_id="t"),
                            on_episode=lambda result, counts: stop.set())
