@@ -108,6 +108,11 @@ class OffsetRange(msgspec.Struct, frozen=True, kw_only=True):
         return self.end - self.start
 
 
+#: Cluster-metadata retry backoff of our clients (kafka-python 3.0 leaves its cluster metadata at 100 ms
+#: whatever the client's ``retry_backoff_ms``; broker-down backoff, KIP-580, is separate).
+METADATA_RETRY_BACKOFF_MS = 10
+
+
 def _consumer(conn: KafkaConnection, **overrides: Any) -> KafkaConsumer:
     check_kafka(conn)  # one clear error for a broker that is down or refuses us, not a bootstrap timeout
     kw: dict[str, Any] = {
@@ -117,7 +122,11 @@ def _consumer(conn: KafkaConnection, **overrides: Any) -> KafkaConsumer:
         "group_id": None,
     }
     kw.update(overrides)
-    return KafkaConsumer(**kw)
+    consumer = KafkaConsumer(**kw)
+    # As in streams/fetch.py's PartitionReader: kafka-python 3.0's cluster metadata ignores the client's
+    # `retry_backoff_ms`, so the first metadata request after bootstrap's waits out the rest of 100 ms.
+    consumer._cluster.config["retry_backoff_ms"] = METADATA_RETRY_BACKOFF_MS
+    return consumer
 
 
 def partitions_for(conn: KafkaConnection, topic: str, *, timeout_s: float = 10.0) -> list[int]:

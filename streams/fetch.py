@@ -51,7 +51,7 @@ from kafka.protocol.consumer import FetchRequest
 
 from streams.config import KafkaConnection
 from streams.errors import access_denied, check_kafka
-from streams.consumer import OffsetRange, ReadStalledError
+from streams.consumer import METADATA_RETRY_BACKOFF_MS, OffsetRange, ReadStalledError
 
 __all__ = [
     "PartitionChunk",
@@ -68,7 +68,6 @@ log = logging.getLogger(__name__)
 _FetchTopic = FetchRequest.FetchTopic
 _FetchPartition = _FetchTopic.FetchPartition
 _READ_UNCOMMITTED = 0
-_METADATA_RETRY_BACKOFF_MS = 10
 # Fetch v12 is the newest kafka-python's protocol code builds without topic ids (v13+ need them).
 _MAX_FETCH_VERSION = 12
 # Most bytes of one response frame beyond the fetch limits (headers of many partitions).
@@ -176,7 +175,7 @@ class PartitionReader:
         # kafka-python 3.0 builds the cluster metadata without the client's `retry_backoff_ms`, so a refresh
         # within 100 ms of the last one (the first fetch's, right after bootstrap's) waits out the rest of
         # the 100 ms: ~0.1 s per reader for nothing. Broker-down backoff is separate (KIP-580, unchanged).
-        self._client.cluster.config["retry_backoff_ms"] = _METADATA_RETRY_BACKOFF_MS
+        self._client.cluster.config["retry_backoff_ms"] = METADATA_RETRY_BACKOFF_MS
         self._topics: set[str] = set()
 
     def __enter__(self) -> "PartitionReader":
