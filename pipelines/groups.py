@@ -67,6 +67,7 @@ __all__ = [
     "decide_commit",
     "domain_stats",
     "merge_group_stats",
+    "add_group_stats",
     "group_stats_of_tables",
     "group_stats_of_episode",
     "group_key_strings",
@@ -292,6 +293,21 @@ def merge_group_stats(stats: Iterable[GroupStats]) -> GroupStats:
     for st in stats:
         out = out.merge(st)
     return out
+
+
+def add_group_stats(into: dict[GroupKey, GroupStats], stats: Mapping[GroupKey, GroupStats]) -> dict[GroupKey, GroupStats]:
+    """``into`` with every group of ``stats`` merged in (:meth:`GroupStats.merge`); ``into`` is updated and returned.
+
+    Examples:
+        >>> a = {("code", "t", 1): GroupStats(size=2, members=(0,), episodes=1)}
+        >>> b = add_group_stats(a, {("code", "t", 1): GroupStats(size=2, members=(1,), episodes=1)})
+        >>> b is a, b[("code", "t", 1)].members, b[("code", "t", 1)].episodes
+        (True, (0, 1), 2)
+    """
+    for key, st in stats.items():
+        mine = into.get(key)
+        into[key] = st if mine is None else mine.merge(st)
+    return into
 
 
 def key_string(task_group: str, policy_version: int) -> str:

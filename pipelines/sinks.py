@@ -57,8 +57,8 @@ from pipelines.groups import (
     decide_commit,
     group_key_strings,
     group_stats_of_tables,
+    add_group_stats,
     key_string,
-    merge_group_stats,
 )
 from pipelines.normalize import STATS_TAG, RunningStats, normalize_tables
 from pipelines.recipes import Recipe
@@ -438,7 +438,9 @@ def _sorted(table: pa.Table, keys: list[tuple[str, str]]) -> pa.Table:
     idx = pc.sort_indices(table, sort_keys=keys).to_numpy()
     if np.array_equal(idx, np.arange(len(idx))):
         return table
-    return table.take(idx)
+    # One chunk first: a take across the chunks of merged parts is ~2x slower than over one
+    # (measured on a domain's 10k step rows from 5 parts: 59 ms against 2 + 25 ms).
+    return table.combine_chunks().take(idx)
 
 
 def _held_part(domain: str, shard: int) -> str:
@@ -493,8 +495,9 @@ PART_ROWS = 50_000
 class _StageRowsFn(beam.DoFn):
     """Complete episodes → un-normalized row *parts* (Arrow IPC), one per (domain, shard) per bundle.
 
-    Emits ``((domain, shard), part base path)``, and on ``stats`` each
-    part's per-group statistics (:func:`pipelines.groups.group_stats_of_tables`);
+    Emits ``((domain, shard), part base path)``, and on ``stats`` one
+    ``{group key: GroupStats}`` per flush: its parts' per-group statistics
+    (:func:`pipelines.groups.group_stats_of_tables`), merged;
     the parts of a commit live under ``<staging>/_parts/`` until
     :class:`_FinalizeShardFn` merges them.
     Names are random: a retried bundle writes new parts, and only the parts of
@@ -524,14 +527,16 @@ class _StageRowsFn(beam.DoFn):
                 yield WindowedValue(out, window.max_timestamp(), [window])
 
     def _flush(self) -> Iterator[Any]:
+        stats: dict[GroupKey, GroupStats] = {}
         for key, episodes in sorted(self._buf.items()):
             trajs, steps = episodes_to_tables(episodes, self._recipe)  # in order: the merge rarely re-sorts
             base = join(self._staging, "_parts", uuid.uuid4().hex)
             write_feather(trajs, f"{base}.trajectories.arrow")
             write_feather(steps, f"{base}.steps.arrow")
-            for kv in group_stats_of_tables(trajs, steps, domain=key[0]).items():
-                yield beam.pvalue.TaggedOutput(STATS_TAG, kv)
+            add_group_stats(stats, group_stats_of_tables(trajs, steps, domain=key[0]))
             yield key, base
+        if stats:  # one element per flush, not one per group: each costs the runner a pickle and a combine
+            yield beam.pvalue.TaggedOutput(STATS_TAG, stats)
         self._buf, self._n = {}, 0
 
 
@@ -539,6 +544,26 @@ def _read_parts(bases: Sequence[str]) -> tuple[pa.Table, pa.Table]:
     trajs = pa.concat_tables([read_feather(f"{b}.trajectories.arrow", memory_map=True) for b in bases])
     steps = pa.concat_tables([read_feather(f"{b}.steps.arrow", memory_map=True) for b in bases])
     return trajs, steps
+
+
+class _MergeGroupStats(beam.CombineFn):
+    """Part statistics ``{group key: GroupStats}`` → the run's, one dict (empty when there are no parts)."""
+
+    def create_accumulator(self) -> dict[GroupKey, GroupStats]:
+        return {}
+
+    def add_input(self, acc: dict[GroupKey, GroupStats], stats: Mapping[GroupKey, GroupStats]) -> dict:
+        return add_group_stats(acc, stats)
+
+    def merge_accumulators(self, accs: Iterable[dict[GroupKey, GroupStats]]) -> dict[GroupKey, GroupStats]:
+        accs = iter(accs)
+        out = next(accs, {})
+        for acc in accs:
+            add_group_stats(out, acc)
+        return out
+
+    def extract_output(self, acc: dict[GroupKey, GroupStats]) -> dict[GroupKey, GroupStats]:
+        return acc
 
 
 class _Decider:
@@ -833,7 +858,8 @@ class WriteDatasets(beam.PTransform):
 
     Complete episodes become rows where they are (each bundle writes its
     rows, un-normalized, as Arrow *part* files under ``<staging>/_parts/``,
-    and emits each part's per-group statistics). A GroupByKey of the part
+    and emits its parts' per-group statistics as one dict, which one
+    ``CombineGlobally`` merges into the run's). A GroupByKey of the part
     *paths* per (domain, shard), joined by the held parts of the last
     commit, then merges each shard's parts and applies the commit's group
     decision (side inputs: the run's group statistics and the clock;
@@ -903,7 +929,7 @@ class WriteDatasets(beam.PTransform):
         parts = parts[0] if len(parts) == 1 else tuple(parts) | "AllParts" >> beam.Flatten()
         partial_stats = (partial_stats[0] if len(partial_stats) == 1
                          else tuple(partial_stats) | "AllPartStats" >> beam.Flatten())
-        group_stats = partial_stats | "RunGroupStats" >> beam.CombinePerKey(merge_group_stats)
+        group_stats = partial_stats | "RunGroupStats" >> beam.CombineGlobally(_MergeGroupStats())
         clock = pcolls.get("clock")
         if clock is None:
             clock = p | "NoClock" >> beam.Create([0.0])
@@ -914,11 +940,10 @@ class WriteDatasets(beam.PTransform):
             | "FinalizeShards" >> beam.ParDo(
                 _FinalizeShardFn(staging, version, commit, mode=self._recipe.normalization, eps=self._recipe.eps,
                                  prior=self._prior, held=held, timeout_s=self._timeout_s),
-                run_groups=beam.pvalue.AsDict(group_stats), clock_s=beam.pvalue.AsSingleton(clock))
+                run_groups=beam.pvalue.AsSingleton(group_stats), clock_s=beam.pvalue.AsSingleton(clock))
         )
         state_files = (
             group_stats
-            | "CollectGroupStats" >> beam.combiners.ToDict()
             | "StageGroupState" >> beam.ParDo(
                 _StageGroupStateFn(staging, prior=self._prior, held=held, timeout_s=self._timeout_s),
                 clock_s=beam.pvalue.AsSingleton(clock))

@@ -13,7 +13,7 @@ from apache_beam.utils.windowed_value import WindowedValue
 
 from pipelines.assemble import assemble_episode, dedupe_events
 from pipelines.clip import clip_episode
-from pipelines.groups import HeldGroup, decide_commit, merge_group_stats
+from pipelines.groups import HeldGroup, add_group_stats, decide_commit
 from pipelines.recipes import Recipe
 from pipelines.rewards import annotate_rewards
 from pipelines.sinks import (
@@ -104,14 +104,13 @@ def _stage(staging, recipe, eps):
     stage.start_bundle()
     outs = [o for e in eps for o in stage.process(e)] + [o.value if isinstance(o, WindowedValue) else o
                                                          for o in stage.finish_bundle()]
-    parts, stats = defaultdict(list), defaultdict(list)
+    parts, stats = defaultdict(list), {}
     for o in outs:
         if isinstance(o, TaggedOutput):
-            key, st = o.value.value if isinstance(o.value, WindowedValue) else o.value
-            stats[key].append(st)
+            add_group_stats(stats, o.value.value if isinstance(o.value, WindowedValue) else o.value)
         else:
             parts[o[0]].append(o[1])
-    return dict(parts), {k: merge_group_stats(v) for k, v in stats.items()}
+    return dict(parts), stats
 
 
 def _finalize(staging, recipe, parts, stats, *, threads, held=None, clock_s=0.0):
