@@ -142,10 +142,12 @@ POSITION_FIELDS: tuple[str, ...] = ("kafka_partition", "kafka_offset")
 _ENVELOPE_SET = frozenset(ENVELOPE_FIELDS)
 
 
-def payload_fields(event_type: str) -> list[str]:
-    """Names of the fields an event type adds to the envelope."""
+@functools.lru_cache(maxsize=None)
+def payload_fields(event_type: str) -> tuple[str, ...]:
+    """Names of the fields an event type adds to the envelope (cached: ``msgspec.structs.fields``
+    resolves the type's annotations on every call, ~0.2 ms)."""
     cls = EVENT_TYPES[event_type]
-    return [f.name for f in msgspec.structs.fields(cls) if f.name not in _ENVELOPE_SET]
+    return tuple(f.name for f in msgspec.structs.fields(cls) if f.name not in _ENVELOPE_SET)
 
 
 @functools.lru_cache(maxsize=1)
