@@ -68,6 +68,7 @@ __all__ = [
     "domain_stats",
     "merge_group_stats",
     "add_group_stats",
+    "GroupStatsMap",
     "group_stats_of_tables",
     "group_stats_of_episode",
     "group_key_strings",
@@ -293,6 +294,40 @@ def merge_group_stats(stats: Iterable[GroupStats]) -> GroupStats:
     for st in stats:
         out = out.merge(st)
     return out
+
+
+class GroupStatsMap(dict):
+    """``{group key: GroupStats}`` that pickles as one MessagePack blob.
+
+    The run's group statistics cross the runner's coders several times (each
+    bundle's partial, the combined value, the side input): as a plain dict
+    Beam's coder pickles each ``GroupStats`` on its own; this map is encoded
+    and decoded in one msgspec call (floats exactly).
+
+    Examples:
+        >>> import pickle
+        >>> m = GroupStatsMap({("code", "t", 1): GroupStats(size=2, members=(0,), episodes=1,
+        ...                                                 returns=RunningStats(n=1, mean=0.5, m2=0.0))})
+        >>> back = pickle.loads(pickle.dumps(m))
+        >>> type(back) is GroupStatsMap, back == m
+        (True, True)
+    """
+
+    def __reduce__(self):
+        rows = [(k, st.size, st.members, st.episodes, st.returns, st.advantages) for k, st in self.items()]
+        return _group_stats_map, (_MAP_ENCODER.encode(rows),)
+
+
+def _group_stats_map(data: bytes) -> GroupStatsMap:
+    return GroupStatsMap(
+        ((domain, task_group, version), GroupStats(size=size, members=members, episodes=episodes, returns=returns,
+                                                   advantages=advantages))
+        for (domain, task_group, version), size, members, episodes, returns, advantages in _MAP_DECODER.decode(data))
+
+
+_MAP_ENCODER = msgspec.msgpack.Encoder()
+_MAP_DECODER = msgspec.msgpack.Decoder(
+    list[tuple[tuple[str, str, int], int, tuple[int, ...], int, RunningStats, RunningStats]])
 
 
 def add_group_stats(into: dict[GroupKey, GroupStats], stats: Mapping[GroupKey, GroupStats]) -> dict[GroupKey, GroupStats]:

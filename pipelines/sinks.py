@@ -52,6 +52,7 @@ from pipelines.groups import (
     CommitGroups,
     GroupState,
     GroupStats,
+    GroupStatsMap,
     HeldGroup,
     HeldState,
     decide_commit,
@@ -527,7 +528,7 @@ class _StageRowsFn(beam.DoFn):
                 yield WindowedValue(out, window.max_timestamp(), [window])
 
     def _flush(self) -> Iterator[Any]:
-        stats: dict[GroupKey, GroupStats] = {}
+        stats = GroupStatsMap()
         for key, episodes in sorted(self._buf.items()):
             trajs, steps = episodes_to_tables(episodes, self._recipe)  # in order: the merge rarely re-sorts
             base = join(self._staging, "_parts", uuid.uuid4().hex)
@@ -549,15 +550,15 @@ def _read_parts(bases: Sequence[str]) -> tuple[pa.Table, pa.Table]:
 class _MergeGroupStats(beam.CombineFn):
     """Part statistics ``{group key: GroupStats}`` → the run's, one dict (empty when there are no parts)."""
 
-    def create_accumulator(self) -> dict[GroupKey, GroupStats]:
-        return {}
+    def create_accumulator(self) -> GroupStatsMap:
+        return GroupStatsMap()
 
     def add_input(self, acc: dict[GroupKey, GroupStats], stats: Mapping[GroupKey, GroupStats]) -> dict:
         return add_group_stats(acc, stats)
 
     def merge_accumulators(self, accs: Iterable[dict[GroupKey, GroupStats]]) -> dict[GroupKey, GroupStats]:
         accs = iter(accs)
-        out = next(accs, {})
+        out = next(accs, GroupStatsMap())
         for acc in accs:
             add_group_stats(out, acc)
         return out
