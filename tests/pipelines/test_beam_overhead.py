@@ -47,3 +47,48 @@ def test_memoized_signatures_equal_beams():
     assert patched(a.process) is patched(b.process)  # bound methods: one entry per function
     assert core.get_function_arguments(a, "process") == (["element", "side"], [None])
 
+
+
+class _Stateful(beam.DoFn):
+    BAG = beam.transforms.userstate.BagStateSpec("bag", beam.coders.VarIntCoder())
+    TIMER = beam.transforms.userstate.TimerSpec("t", beam.TimeDomain.WATERMARK)
+
+    def process(self, element, bag=beam.DoFn.StateParam(BAG), t=beam.DoFn.TimerParam(TIMER)):
+        yield element
+
+    @beam.transforms.userstate.on_timer(TIMER)
+    def fire(self, bag=beam.DoFn.StateParam(BAG)):
+        return None
+
+
+class _Duplicate(beam.DoFn):
+    BAG = beam.transforms.userstate.BagStateSpec("bag", beam.coders.VarIntCoder())
+
+    def process(self, element, a=beam.DoFn.StateParam(BAG), b=beam.DoFn.StateParam(BAG)):
+        yield element
+
+
+def test_memoized_dofn_specs_equal_beams():
+    import pytest
+    from apache_beam.transforms import userstate
+
+    memoize_signatures()
+    memoize_signatures()
+    patched = userstate.get_dofn_specs
+    original = patched.__wrapped__
+    assert patched._trajpipe_memoized and not getattr(original, "_trajpipe_memoized", False)
+    stateful = _Stateful()
+    borrowed = _Fn()
+    borrowed.finish_bundle = stateful.process  # a bound method of another DoFn: its parameters count here
+    fns = [_Fn(), _Fn(), stateful, _Stateful(), beam.Map(lambda x: x).fn, beam.FlatMap(str.split).fn, borrowed]
+    for fn in fns * 2:  # twice: the second answers come from the memo
+        assert patched(fn) == original(fn), fn
+    assert patched(stateful) == ({_Stateful.BAG}, {_Stateful.TIMER})
+    assert patched(borrowed) == ({_Stateful.BAG}, {_Stateful.TIMER}) != patched(_Fn())
+    assert userstate.is_stateful_dofn(stateful) and not userstate.is_stateful_dofn(_Fn())
+    got = patched(stateful)
+    got[0].clear()  # callers get their own sets: the memo is untouched
+    assert patched(stateful) == ({_Stateful.BAG}, {_Stateful.TIMER})
+    for _ in range(2):  # an invalid DoFn raises every time, as in Beam
+        with pytest.raises(ValueError, match="duplicate"):
+            patched(_Duplicate())
