@@ -185,3 +185,35 @@ def test_damaged_or_foreign_archive_files_are_an_archive_error(tmp_path):
     pq.write_table(pa.table({"x": [1]}), foreign)
     with pytest.raises(ArchiveError, match="no string `event_type` column"):
         read_archive_file(foreign)
+
+
+def test_a_row_its_event_type_refuses_is_a_dead_letter_on_the_fast_path_too():
+    """The typed fast path builds a type's events in one pass; a row whose event refuses its values (here a
+    negative context cut, raised by ``Step.__post_init__``) or fails validation (a step index past its seq)
+    is a dead letter with its position, and every other row is the event it was."""
+    import pyarrow as pa
+
+    import pipelines.archive_source as source
+    from streams.synth import generate_episodes
+
+    evs = next(generate_episodes(1, seed=3))
+    table = _table_of(evs)
+    assert source._typed_as_archive(table.schema)
+    steps = [i for i, ev in enumerate(evs) if ev.event_type == "step"]
+    bad_init, bad_seq = steps[0], steps[1]
+    step = table.column("step").combine_chunks()
+    children = {f.name: step.field(j) for j, f in enumerate(step.type)}
+    cuts = children["context_cut_start"].to_pylist()
+    cuts[bad_init] = -1
+    index = children["step_index"].to_pylist()
+    index[bad_seq] = evs[bad_seq].seq + 5
+    children["context_cut_start"] = pa.array(cuts, step.type.field("context_cut_start").type)
+    children["step_index"] = pa.array(index, step.type.field("step_index").type)
+    table = table.set_column(table.column_names.index("step"), "step", pa.StructArray.from_arrays(
+        list(children.values()), fields=list(step.type), mask=step.is_null()))
+    frags, dead = source.table_to_fragments(table, topic="t")
+    assert sorted((d.source_offset, d.reason) for d in dead) == [(bad_init, "invalid_event"),
+                                                                  (bad_seq, "invalid_event")]
+    assert "context_cut_start" in next(d.message for d in dead if d.source_offset == bad_init)
+    kept = [ev for _, e in frags for ev in e]
+    assert kept == [ev for i, ev in enumerate(evs) if i not in (bad_init, bad_seq)]
