@@ -156,7 +156,7 @@ def trajectory_row(episode: Episode, recipe: Recipe, *, disagreements: int | Non
     version, h = _recipe_ids(recipe)
     fin, started, complete = episode.finished, episode.started, episode.complete
     if disagreements is None:
-        disagreements = sum(step_disagreements(vs) for vs in episode.verdicts) if complete else 0
+        disagreements = sum(map(step_disagreements, episode.verdicts)) if complete else 0
     return TrajectoryRow(
         episode_id=episode.episode_id, domain=episode.domain, recipe=version, recipe_hash=h,
         task_id=episode.task_id, task_group=episode.task_group, policy_version=episode.policy_version,
@@ -164,7 +164,7 @@ def trajectory_row(episode: Episode, recipe: Recipe, *, disagreements: int | Non
         termination=episode.termination, trainable=episode.trainable, excluded_reason=episode.excluded_reason,
         complete=complete, incomplete_reason=episode.incomplete_reason, num_events=episode.num_events,
         num_steps=len(episode.steps) if complete else 0, steps_dropped=episode.steps_dropped,
-        action_tokens=sum(len(s.action_token_ids) for s in episode.steps) if complete else 0,
+        action_tokens=sum(map(len, map(_ACTION_TOKEN_IDS, episode.steps))) if complete else 0,
         tokens_masked=episode.tokens_masked, clipped=episode.clipped,
         outcome_reward=fin.outcome_reward if fin is not None and complete else 0.0,
         episode_return=episode.episode_return if complete else 0.0,
@@ -174,9 +174,12 @@ def trajectory_row(episode: Episode, recipe: Recipe, *, disagreements: int | Non
         group_timed_out=episode.group_timed_out, policy_lineage=episode.policy_lineage,
         verifier_summary=fin.verifier_summary if fin is not None else "", verifier_disagreements=disagreements,
         completed_late=episode.completed_late,
-        steps_passed=sum(step_passed(vs) for vs in episode.verdicts) if complete else 0,
+        steps_passed=sum(map(step_passed, episode.verdicts)) if complete else 0,
         first_event_time=episode.first_event_time, last_event_time=episode.last_event_time,
     )
+
+
+_ACTION_TOKEN_IDS = operator.attrgetter("action_token_ids")
 
 
 def _status(episode: Episode) -> str:
@@ -247,7 +250,7 @@ class RowsBuffer:
             self._trajs.append(trajectory_row(episode, self._recipe))
             return
         ss, c, n, vss = episode.steps, self._cols, len(episode.steps), episode.verdicts
-        disagreements = [step_disagreements(vs) for vs in vss]
+        disagreements = list(map(step_disagreements, vss))
         self._trajs.append(trajectory_row(episode, self._recipe, disagreements=sum(disagreements)))
         sampling = episode.sampling
         self._episodes.append((
@@ -259,8 +262,7 @@ class RowsBuffer:
         self._steps += ss
         c["loss_mask"] += episode.loss_masks
         c["verifications"] += vss
-        weights = self._weights
-        c["verification_score"] += [verification_score(vs, weights) for vs in vss]
+        c["verification_score"] += map(verification_score, vss, itertools.repeat(self._weights))
         c["verifier_disagreements"] += disagreements
         c["reward"].append(episode.rewards)
         c["return_to_go"].append(episode.returns)
