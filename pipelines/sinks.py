@@ -24,6 +24,7 @@ Examples:
 from __future__ import annotations
 
 import collections
+import itertools
 import operator
 import os
 import uuid
@@ -251,12 +252,13 @@ class RowsBuffer:
             return
         ss, c, n, vss = episode.steps, self._cols, len(episode.steps), episode.verdicts
         disagreements = list(map(step_disagreements, vss))
-        self._trajs.append(trajectory_row(episode, self._recipe, disagreements=sum(disagreements)))
+        row = trajectory_row(episode, self._recipe, disagreements=sum(disagreements))
+        self._trajs.append(row)
         sampling = episode.sampling
-        self._episodes.append((
-            episode.episode_id, episode.task_id, episode.task_group, _status(episode), n, sampling.temperature,
-            sampling.top_p, sampling.top_k, episode.policy_lineage, episode.trainable,
-            float(episode.group_advantage or 0.0), episode.group_members))
+        self._episodes.append((  # what the trajectory row has already worked out is read from it
+            row.episode_id, row.task_id, row.task_group, row.status, n, sampling.temperature, sampling.top_p,
+            sampling.top_k, row.policy_lineage, row.trainable, float(episode.group_advantage or 0.0),
+            row.group_members))
         self._step_counts.append(n)
         self._clipped.append(episode.clipped)
         self._steps += ss
