@@ -44,6 +44,7 @@ Examples:
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -59,7 +60,13 @@ from apache_beam.metrics.execution import MetricsEnvironment
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
-__all__ = ["ChainStage", "ForkedChain", "ForkedWorkerDied", "output_tag", "per_task", "usable_cpus"]
+__all__ = ["ChainStage", "ForkedChain", "ForkedWorkerDied", "LAZY_IMPORTS", "output_tag", "per_task", "usable_cpus"]
+
+
+#: Modules numpy and Arrow import on first use, which the job's chains reach (``numpy.ma`` by a ``take`` with
+#: numpy indices, Arrow's feather and acero for the row parts and group statistics, ``pandas_compat``): ~0.15
+#: CPU-s together. Imported in the driver before the fork; else every forked worker imports them again.
+LAZY_IMPORTS = ("numpy.ma", "pyarrow.feather", "pyarrow.acero", "pyarrow.pandas_compat")
 
 
 class ForkedWorkerDied(RuntimeError):
@@ -165,6 +172,8 @@ class _ForkedChainFn(beam.DoFn):
         self._futures: deque[Future] = deque()
 
     def setup(self) -> None:
+        for name in LAZY_IMPORTS:  # once here, not once in every forked worker
+            importlib.import_module(name)
         for stage in self._chain:
             stage.fn.setup()
 
