@@ -250,10 +250,13 @@ def _run_batch_locked(
     # episodes (a few elements per batch, not one per episode), decoded once, after it.
     # Archive files hold most episodes whole: those are assembled where the file is read, no shuffle.
     local = None
+    shuffle_workers = workers
     if isinstance(plan, ArchivePlan):
         pending_ids = _pending_ids(pending_path)
         split = split_episode_ids(files, also=pending_ids)
         buckets = shuffle_buckets(len(split) * 16)  # only episodes spread over files take the shuffle
+        if len(split) * 16 < FORK_MIN_EVENTS:  # a few episodes (often none): not worth a pool of forks
+            shuffle_workers = 1
         read = p | "ReadArchive" >> ReadArchiveEpisodes(
             plan.input.location, files=files, split=split, committed=committed, buckets=buckets,
             future_after_s=future_after_s, downstream=downstream(), workers=workers)
@@ -292,7 +295,7 @@ def _run_batch_locked(
     assembled = to_assemble | "AssembleEpisodes" >> AssembleEpisodesFromFrames(
         incomplete_after_s=incomplete_after_s, clock_floor_s=clock_s, committed=committed,
         future_after_s=future_after_s, keep_incomplete=late_retention_s > 0,
-        downstream=downstream(), workers=workers, per_task=per_task(buckets, workers),
+        downstream=downstream(), workers=shuffle_workers, per_task=per_task(buckets, shuffle_workers),
     )
     incomplete = assembled[INCOMPLETE_TAG] | "SplitIncompleteEvaluations" >> SplitEvaluations(counter=None)
     if workers > 1:  # split, processed and staged in the forked workers, the assembly's chains

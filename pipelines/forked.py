@@ -180,8 +180,9 @@ class _ForkedChainFn(beam.DoFn):
     def start_bundle(self) -> None:
         global _CHAIN
         self._close()  # the pool of an earlier bundle that failed (a --loop process runs many)
-        _CHAIN = self._chain  # the forked workers inherit it
-        self._pool = ProcessPoolExecutor(self._workers, mp_context=get_context("fork"))
+        if self._workers > 1:
+            _CHAIN = self._chain  # the forked workers inherit it
+            self._pool = ProcessPoolExecutor(self._workers, mp_context=get_context("fork"))
         self._futures = deque()
         self._task: list[Any] = []
 
@@ -190,20 +191,25 @@ class _ForkedChainFn(beam.DoFn):
             element = (element[0], list(element[1]))  # a GroupByKey's lazy iterable: listed to be pickled
         self._task.append(element)
         if len(self._task) >= self._per_task:
-            self._futures.append(self._pool.submit(_work, self._task))
-            self._task = []
+            yield from self._submit(windowed=False)
         while self._futures and (len(self._futures) > self._in_flight or self._futures[0].done()):
             yield from self._emit(self._result(self._futures.popleft()), windowed=False)
 
     def finish_bundle(self) -> Iterator[Any]:
         try:
             if self._task:
-                self._futures.append(self._pool.submit(_work, self._task))
-                self._task = []
+                yield from self._submit(windowed=True)
             while self._futures:
                 yield from self._emit(self._result(self._futures.popleft()), windowed=True)
         finally:
             self._close()
+
+    def _submit(self, *, windowed: bool) -> Iterator[Any]:
+        task, self._task = self._task, []
+        if self._pool is None:  # one worker: the task runs here, its metrics straight into the bundle's
+            yield from self._emit(_run_chain(self._chain, task), windowed=windowed, metrics=False)
+        else:
+            self._futures.append(self._pool.submit(_work, task))
 
     def teardown(self) -> None:
         self._close()
@@ -228,9 +234,9 @@ class _ForkedChainFn(beam.DoFn):
             self._pool = None
 
     @staticmethod
-    def _emit(result: _Result, *, windowed: bool) -> Iterator[Any]:
+    def _emit(result: _Result, *, windowed: bool, metrics: bool = True) -> Iterator[Any]:
         container = MetricsEnvironment.current_container()
-        if container is not None:
+        if container is not None and metrics:
             from apache_beam.metrics.metricbase import MetricName
 
             for (ns, name), n in result.counters.items():
@@ -251,6 +257,9 @@ class _ForkedChainFn(beam.DoFn):
 
 class ForkedChain(beam.PTransform):
     """Run ``chain`` (DoFns fused main → main) over each element in ``workers`` forked processes.
+
+    With ``workers=1`` nothing is forked: the tasks run in the bundle's own process, one after the
+    other, with the same outputs and tags (for a stage whose input is too small to pay for a fork).
 
     Returns a ``DoOutputsTuple``: ``main`` is the last DoFn's main output;
     ``result[output_tag(stage, tag)]`` each stage's tagged output. A worker's

@@ -67,14 +67,14 @@ def _chain() -> list[ChainStage]:
     return [ChainStage("split", _Split(), ("odd", "sizes")), ChainStage("square", _Square())]
 
 
-def _run(groups: list[tuple[int, list[int]]], *, forked: bool, per_task: int = 1):
+def _run(groups: list[tuple[int, list[int]]], *, forked: bool, per_task: int = 1, workers: int = 2):
     """Outputs and the ``values_seen`` counter of the chain over ``groups`` grouped by key, fused or forked."""
     got = {}
     p = beam.Pipeline(runner=FnApiRunner())
     grouped = (p | beam.Create([(k, v) for k, vs in groups for v in vs], reshuffle=False)
                | beam.GroupByKey())  # (key, lazy iterable of values), as a shuffle hands them over
     if forked:
-        out = grouped | ForkedChain(_chain(), workers=2, grouped=True, per_task=per_task)
+        out = grouped | ForkedChain(_chain(), workers=workers, grouped=True, per_task=per_task)
         main, odd, sizes = out.main, out[output_tag("split", "odd")], out[output_tag("split", "sizes")]
     else:
         split = (grouped | beam.MapTuple(lambda k, vs: (k, sorted(vs)))
@@ -112,6 +112,16 @@ def test_forked_chain_gives_the_fused_stages_outputs_and_counters(per_task):
     # -1 is _Square's finish_bundle marker: one per bundle, and in the workers each task is one bundle
     assert forked["main"].count(-1) == tasks and fused["main"].count(-1) == 1
     assert forked["pids"] and os.getpid() not in forked["pids"]  # in the workers, never in the driver
+
+
+@pytest.mark.parametrize("per_task", [1, 3])
+def test_one_worker_runs_the_tasks_in_the_driver_with_the_same_outputs(per_task):
+    groups = [(k, list(range(k, k + 7))) for k in range(1, 9)]
+    forked, forked_seen = _run(groups, forked=True, per_task=per_task)
+    inline, inline_seen = _run(groups, forked=True, per_task=per_task, workers=1)
+    assert sorted(inline["main"]) == sorted(forked["main"]) and sorted(inline["odd"]) == sorted(forked["odd"])
+    assert inline["sizes"] == forked["sizes"] == [8 * 7] and inline_seen == forked_seen == 8 * 7
+    assert inline["pids"] == [os.getpid()]  # nothing forked
 
 
 def test_a_worker_that_dies_fails_the_run_with_one_clear_message():
