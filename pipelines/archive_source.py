@@ -248,7 +248,7 @@ def _constructor(cls: type, names: tuple[str, ...]) -> Any:
         >>> _constructor(EpisodeStarted, ("episode_id",)).__code__.co_varnames
         ('v0',)
     """
-    fields = set(msgspec.structs.fields(cls) and (f.name for f in msgspec.structs.fields(cls)))
+    fields = {f.name for f in msgspec.structs.fields(cls)}
     if not set(names) <= fields or not all(n.isidentifier() for n in names):
         raise ValueError(f"not fields of {cls.__name__}: {sorted(set(names) - fields)}")
     args = ", ".join(f"v{i}" for i in range(len(names)))
