@@ -56,10 +56,10 @@ from pipelines.groups import (
     GroupStatsMap,
     HeldGroup,
     HeldState,
+    add_group_stats,
     decide_commit,
     group_key_strings,
     group_stats_of_tables,
-    add_group_stats,
     key_string,
 )
 from pipelines.normalize import STATS_TAG, RunningStats, normalize_tables
