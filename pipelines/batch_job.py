@@ -254,8 +254,9 @@ def _run_batch_locked(
     if isinstance(plan, ArchivePlan):
         pending_ids = _pending_ids(pending_path)
         split = split_episode_ids(files, also=pending_ids)
-        buckets = shuffle_buckets(len(split) * 16)  # only episodes spread over files take the shuffle
-        if len(split) * 16 < FORK_MIN_EVENTS:  # a few episodes (often none): not worth a pool of forks
+        shuffled_events = len(split) * 16  # an upper estimate: only episodes spread over files take the shuffle
+        buckets = shuffle_buckets(shuffled_events)
+        if shuffled_events < FORK_MIN_EVENTS:  # a few episodes (often none): not worth a pool of forks
             shuffle_workers = 1
         read = p | "ReadArchive" >> ReadArchiveEpisodes(
             plan.input.location, files=files, split=split, committed=committed, buckets=buckets,

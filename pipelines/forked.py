@@ -207,7 +207,7 @@ class _ForkedChainFn(beam.DoFn):
     def _submit(self, *, windowed: bool) -> Iterator[Any]:
         task, self._task = self._task, []
         if self._pool is None:  # one worker: the task runs here, its metrics straight into the bundle's
-            yield from self._emit(_run_chain(self._chain, task), windowed=windowed, metrics=False)
+            yield from self._emit(_run_chain(self._chain, task), windowed=windowed)
         else:
             self._futures.append(self._pool.submit(_work, task))
 
@@ -234,9 +234,9 @@ class _ForkedChainFn(beam.DoFn):
             self._pool = None
 
     @staticmethod
-    def _emit(result: _Result, *, windowed: bool, metrics: bool = True) -> Iterator[Any]:
+    def _emit(result: _Result, *, windowed: bool) -> Iterator[Any]:
         container = MetricsEnvironment.current_container()
-        if container is not None and metrics:
+        if container is not None:  # a worker's metric updates (none for a task run here: they went in directly)
             from apache_beam.metrics.metricbase import MetricName
 
             for (ns, name), n in result.counters.items():
