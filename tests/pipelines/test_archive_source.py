@@ -217,3 +217,60 @@ def test_a_row_its_event_type_refuses_is_a_dead_letter_on_the_fast_path_too():
     assert "context_cut_start" in next(d.message for d in dead if d.source_offset == bad_init)
     kept = [ev for _, e in frags for ev in e]
     assert kept == [ev for i, ev in enumerate(evs) if i not in (bad_init, bad_seq)]
+
+
+def test_event_times_are_the_utc_datetimes_of_the_column():
+    """``_times`` (msgspec-built datetimes) gives what epoch + timedelta gives: around and before 1970, at the
+    first and last microsecond ``datetime`` can hold, always ``timezone.utc``; past them the same error."""
+    from datetime import datetime, timedelta, timezone
+
+    import pyarrow as pa
+    import pytest
+
+    from pipelines.archive_source import _times
+
+    epoch = datetime(1970, 1, 1, tzinfo=timezone.utc)
+    micros = [0, 1, -1, 999_999, -999_999, -1_000_000, -1_000_001, 1_764_936_000_123_456,
+              -62_135_596_800_000_000, 253_402_300_799_999_999]
+    got = _times(pa.chunked_array([pa.array(micros[:4], pa.timestamp("us", tz="UTC")),
+                                   pa.array(micros[4:], pa.timestamp("us", tz="UTC"))]))
+    assert got == [epoch + timedelta(microseconds=u) for u in micros]
+    assert all(t.tzinfo is timezone.utc for t in got)
+    millis = pa.chunked_array([pa.array([1_764_936_000_123], pa.timestamp("ms", tz="UTC"))])
+    assert _times(millis) == [epoch + timedelta(milliseconds=1_764_936_000_123)]
+    assert _times(pa.chunked_array([pa.array([], pa.timestamp("us", tz="UTC"))])) == []
+    with pytest.raises(OverflowError):
+        _times(pa.chunked_array([pa.array([0, 253_402_300_800_000_000], pa.timestamp("us", tz="UTC"))]))
+
+
+def test_a_null_in_a_column_is_the_default_of_its_field_or_a_dead_letter_where_it_has_none():
+    """The typed fast path trusts Arrow's null counts: a null in an envelope column (``producer_id``) or in a
+    payload field (``Step.observation``) sends the type's rows through the per-row check, where a null is
+    the field's default ("" for the observation) and a row whose field has none is a dead letter."""
+    import msgspec
+    import pyarrow as pa
+
+    import pipelines.archive_source as source
+    from streams.synth import generate_episodes
+
+    evs = next(generate_episodes(1, seed=4))
+    table = _table_of(evs)
+    steps = [i for i, ev in enumerate(evs) if ev.event_type == "step"]
+    assert evs[steps[0]].observation
+    producers = table.column("producer_id").to_pylist()
+    producers[0] = None  # the episode_started row: producer_id has no default
+    table = table.set_column(table.column_names.index("producer_id"), "producer_id",
+                             pa.array(producers, table.schema.field("producer_id").type))
+    step = table.column("step").combine_chunks()
+    children = {f.name: step.field(j) for j, f in enumerate(step.type)}
+    observations = children["observation"].to_pylist()
+    observations[steps[0]] = None
+    children["observation"] = pa.array(observations, step.type.field("observation").type)
+    table = table.set_column(table.column_names.index("step"), "step", pa.StructArray.from_arrays(
+        list(children.values()), fields=list(step.type), mask=step.is_null()))
+    frags, dead = source.table_to_fragments(table, topic="t")
+    assert [(d.source_offset, d.reason) for d in dead] == [(0, "invalid_event")]
+    assert "producer_id" in dead[0].message
+    want = list(evs[1:])
+    want[steps[0] - 1] = msgspec.structs.replace(evs[steps[0]], observation="")
+    assert [ev for _, e in frags for ev in e] == want
