@@ -87,10 +87,10 @@ def _flink_cluster(ctx: BenchContext) -> dict:
 
 
 def _scale(ctx: BenchContext) -> dict:
-    from bench.scale import bench_scale
+    from bench.scale import bench_scale_in_child
 
     # 10k, 100k and 1M events through the batch job (~4 min here); TRAJPIPE_BENCH_SCALE_MAX_EVENTS caps it.
-    return bench_scale(ctx.bootstrap, ctx.workdir / "scale")
+    return bench_scale_in_child(ctx.bootstrap, ctx.workdir / "scale")
 
 
 def _sandbox(ctx: BenchContext) -> dict:

@@ -26,6 +26,10 @@ minutes on this machine; the job cannot tell: every copy is a distinct,
 complete episode). A smaller largest size for a quick run:
 ``TRAJPIPE_BENCH_SCALE_MAX_EVENTS=100000`` (only the sizes reached get keys).
 
+``make bench`` runs it in a process of its own (:func:`bench_scale_in_child`): the peaks are
+lifetime maxima of a process and of its ended children, so in the benchmarks' shared process
+they were the largest of everything that ran before (the vLLM reference, Flink), not the 1M run's.
+
 Run alone::
 
     .venv/bin/python -m bench.run scale
@@ -33,9 +37,12 @@ Run alone::
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shutil
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -141,3 +148,24 @@ def bench_scale(bootstrap: str, workdir: Path, *, max_events: int | None = None)
         producer.close()
     figures["pipeline_scale_max_events"] = sent
     return figures
+
+
+def bench_scale_in_child(bootstrap: str, workdir: Path) -> dict[str, float]:
+    """:func:`bench_scale` in a fresh Python process (its figures on its last stdout line), so that the peak
+    RSS figures are the 1M run's; its log goes to this process's stderr.
+
+    Raises:
+        RuntimeError: the child failed (its exit status; its own error is in the log above).
+    """
+    proc = subprocess.run([sys.executable, "-m", "bench.scale", bootstrap, str(workdir)], stdout=subprocess.PIPE,
+                          text=True, cwd=Path(__file__).resolve().parent.parent)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the scale benchmark's process exited with status {proc.returncode} (its log is above)")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)  # as bench.run
+    print(json.dumps(bench_scale(sys.argv[1], Path(sys.argv[2]))))
