@@ -28,7 +28,7 @@ complete episode). A smaller largest size for a quick run:
 
 ``make bench`` runs it in a process of its own (:func:`bench_scale_in_child`): the peaks are
 lifetime maxima of a process and of its ended children, so in the benchmarks' shared process
-they were the largest of everything that ran before (the vLLM reference, Flink), not the 1M run's.
+they were the largest of everything that ran before it there, not the 1M run's.
 
 Run alone::
 
