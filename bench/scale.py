@@ -61,7 +61,9 @@ from streams.config import KafkaConnection, Topics
 from streams.consumer import end_offsets
 from streams.synth import generate_episodes
 
-__all__ = ["bench_scale", "SIZES"]
+__all__ = ["bench_scale", "bench_scale_in_child", "SIZES"]
+
+REPO = Path(__file__).resolve().parents[1]
 
 #: (events, key suffix) of the curve.
 SIZES = ((10_000, "10k"), (100_000, "100k"), (1_000_000, "1m"))
@@ -158,7 +160,7 @@ def bench_scale_in_child(bootstrap: str, workdir: Path) -> dict[str, float]:
         RuntimeError: the child failed (its exit status; its own error is in the log above).
     """
     proc = subprocess.run([sys.executable, "-m", "bench.scale", bootstrap, str(workdir)], stdout=subprocess.PIPE,
-                          text=True, cwd=Path(__file__).resolve().parent.parent)
+                          text=True, cwd=REPO)
     if proc.returncode != 0:
         raise RuntimeError(f"the scale benchmark's process exited with status {proc.returncode} (its log is above)")
     return json.loads(proc.stdout.strip().splitlines()[-1])
