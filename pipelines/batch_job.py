@@ -48,7 +48,7 @@ from kafka.errors import KafkaError
 from pipelines import testhooks
 from pipelines.archive_source import FRAMES_TAG, ArchiveFile, ReadArchiveEpisodes, list_archive_files, split_episode_ids
 from pipelines.assemble import INCOMPLETE_TAG, PENDING_TAG
-from pipelines.beam_overhead import ViewCachingOptions, memoize_signatures
+from pipelines.beam_overhead import ViewCachingOptions, memoize_signatures, shorten_state_sampling
 from pipelines.commit import (
     CommitConflict,
     DatasetLayout,
@@ -238,6 +238,7 @@ def _run_batch_locked(
     workers = _workers(workers, plan, runner_name=runner_name, remote=layout.remote)
     runner = _make_runner(runner_name)
     memoize_signatures()  # two of Beam's fixed costs a run, paid once a process (pipelines/beam_overhead.py)
+    shorten_state_sampling()  # and the wait for its state sampler at each bundle's end, cut to <= 10 ms
     p = beam.Pipeline(runner=runner, options=(options or PipelineOptions([])).view_as(ViewCachingOptions))
     write = WriteDatasets(staging, recipe, commit=commit, shards=shards, prior=prior.stats, held=held,
                           group_timeout_s=group_timeout_s)

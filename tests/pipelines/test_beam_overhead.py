@@ -1,15 +1,17 @@
-"""pipelines/beam_overhead.py: cached option views and memoized signatures change nothing Beam computes."""
+"""pipelines/beam_overhead.py: cached option views and memoized signatures change nothing Beam computes; the state sampler still samples."""
 
 from __future__ import annotations
 
 import functools
+import time
 
 import apache_beam as beam
 from apache_beam.options.pipeline_options import DebugOptions, PipelineOptions, StandardOptions, TypeOptions
 from apache_beam.transforms import core
 from apache_beam.typehints import decorators
 
-from pipelines.beam_overhead import ViewCachingOptions, memoize_signatures
+from pipelines.beam_overhead import (STATE_SAMPLING_PERIOD_MS, ViewCachingOptions, memoize_signatures,
+                                     shorten_state_sampling)
 
 
 class _Fn(beam.DoFn):
@@ -92,3 +94,32 @@ def test_memoized_dofn_specs_equal_beams():
     for _ in range(2):  # an invalid DoFn raises every time, as in Beam
         with pytest.raises(ValueError, match="duplicate"):
             patched(_Duplicate())
+
+
+class _Sleepy(beam.DoFn):
+    def process(self, element):
+        time.sleep(0.3)
+        yield element
+
+
+def test_shortened_state_sampling_still_samples(monkeypatch):
+    """The bundle state sampler's period is 10 ms after the call; Beam's step msecs are still measured."""
+    from apache_beam.metrics import monitoring_infos
+    from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+    from apache_beam.runners.worker import statesampler
+    from apache_beam.utils.counters import CounterFactory
+
+    init = statesampler.StateSampler.__init__
+    monkeypatch.setattr(init, "__defaults__", init.__defaults__)  # restored after the test
+    assert statesampler.StateSampler("a", CounterFactory()).sampling_period_ms == 200  # Beam's own
+    shorten_state_sampling()
+    shorten_state_sampling()  # idempotent
+    assert statesampler.StateSampler("a", CounterFactory()).sampling_period_ms == STATE_SAMPLING_PERIOD_MS == 10
+    assert statesampler.StateSampler("a", CounterFactory(), 50).sampling_period_ms == 50  # explicit: kept
+    p = beam.Pipeline(runner=FnApiRunner())
+    _ = p | beam.Create([1]) | "Sleep" >> beam.ParDo(_Sleepy())
+    result = p.run()
+    result.wait_until_finish()
+    msecs = [monitoring_infos.extract_counter_value(mi) for mi in result.monitoring_infos()
+             if mi.urn == monitoring_infos.PROCESS_BUNDLE_MSECS_URN and mi.labels.get("PTRANSFORM", "").endswith("Sleep")]
+    assert msecs and max(msecs) >= 250  # the 0.3 s in process(), sampled every <= 10 ms
