@@ -374,7 +374,8 @@ def _read_table(path: str | Path, *, columns: list[str] | None = None) -> pa.Tab
     try:
         if loc.is_remote(path):
             return loc.read_parquet(path, columns=columns)
-        return pq.read_table(path, columns=columns, use_threads=False)
+        with pq.ParquetFile(path) as f:  # not pq.read_table: its dataset set-up costs ~0.7 ms a file
+            return f.read(columns=columns, use_threads=False)
     except (pa.ArrowException, OSError) as err:  # Arrow's IO and format errors are OSError/ValueError subclasses
         raise ArchiveError(f"archive file {path} is damaged ({err}); restore it from a copy, or rebuild the archive "
                            "from the topic (`trajpipe archive --out NEW_DIR`)") from err
