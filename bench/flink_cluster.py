@@ -84,10 +84,10 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
     from streams.broker import start_broker, stop_broker
 
-    from bench.run import _free_port
+    from streams.broker import free_port
 
     with tempfile.TemporaryDirectory(prefix="trajpipe-bench-flink-") as tmp:
-        info = start_broker(engine="kafka", port=_free_port(), data_dir=Path(tmp) / "broker")
+        info = start_broker(engine="kafka", port=free_port(), data_dir=Path(tmp) / "broker")
         try:
             print(json.dumps(bench_flink_cluster(info.bootstrap, Path(tmp), n_episodes=args.episodes)), flush=True)
         finally:

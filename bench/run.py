@@ -42,9 +42,9 @@ class BenchContext:
     @property
     def bootstrap(self) -> str:
         if self._broker is None:
-            from streams.broker import start_broker
+            from streams.broker import free_port, start_broker
 
-            self._broker = start_broker(engine="kafka", port=_free_port(), data_dir=self.workdir / "broker")
+            self._broker = start_broker(engine="kafka", port=free_port(), data_dir=self.workdir / "broker")
         return self._broker.bootstrap
 
     def close(self) -> None:
@@ -52,14 +52,6 @@ class BenchContext:
             from streams.broker import stop_broker
 
             stop_broker(self._broker.data_dir)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _codec(ctx: BenchContext) -> dict:

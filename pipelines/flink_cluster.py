@@ -37,7 +37,6 @@ import logging
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -49,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.runners import cache_dir, repo_root
+from streams.broker import free_port
 
 __all__ = [
     "FlinkCluster",
@@ -208,12 +208,6 @@ def probe_rest(address: str, path: str = "/config", *, timeout_s: float = 5.0) -
         raise FlinkClusterError(f"no Flink REST API answers at {base} ({path}: {reason})") from err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -357,7 +351,7 @@ def start_cluster(
     conf, log_dir = root / "conf", root / "log"
     for d in (conf, log_dir, root / "tmp" / "io", root / "tmp" / "blob", root / "tmp" / "web"):
         d.mkdir(parents=True, exist_ok=True)
-    cluster = FlinkCluster(dir=str(root), rest_port=_free_port(), rpc_port=_free_port(),
+    cluster = FlinkCluster(dir=str(root), rest_port=free_port(), rpc_port=free_port(),
                            sdk_worker_command=str(root / "bin" / "beam-sdk-worker"), task_managers=task_managers,
                            slots=slots)
     _write_sdk_worker_command(Path(cluster.sdk_worker_command))

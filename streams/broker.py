@@ -72,6 +72,7 @@ __all__ = [
     "BrokerInfo",
     "admin_connection",
     "broker_status",
+    "free_port",
     "kafka_jars_dir",
     "start_broker",
     "stop_broker",
@@ -208,7 +209,7 @@ def start_broker(
         _remove_pid_file(data_dir)  # stale: names a dead or foreign process
 
         if port == 0:
-            port = _free_port(host)
+            port = free_port(host)
         elif _port_in_use(host, port):
             raise BrokerError(
                 f"port {port} is already in use on {host or '0.0.0.0'}; "
@@ -532,7 +533,7 @@ def _controller_port(data_dir: Path, *, host: str, avoid: int) -> int:
             last = int(path.read_text().strip())
             if last != avoid and not _port_in_use(probe, last):
                 return last
-    new = _free_port(probe, avoid=avoid)
+    new = free_port(probe, avoid=avoid)
     path.write_text(f"{new}\n")
     return new
 
@@ -710,7 +711,8 @@ def _port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def _free_port(host: str, *, avoid: int = -1) -> int:
+def free_port(host: str = "127.0.0.1", *, avoid: int = -1) -> int:
+    """A TCP port free on ``host`` right now (the OS picks it; IPv6 for a host with a colon), never ``avoid``."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     while True:
         with socket.socket(family, socket.SOCK_STREAM) as s:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from polars.testing import assert_frame_equal
 
 from schemas import locations as loc
 from schemas.storage import delta_storage_options
+from streams.broker import free_port
 
 __all__ = ["consume_messages", "create_topics", "free_port", "produce_messages"]
 
@@ -40,13 +40,6 @@ def create_topics(bootstrap: str, *names: str, partitions: int = 2) -> str:
     finally:
         admin.close()
     return names[0]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def produce_messages(bootstrap: str, topic: str, messages: list[tuple[bytes, bytes]]) -> None:
