@@ -375,6 +375,10 @@ def _read_table(path: str | Path, *, columns: list[str] | None = None) -> pa.Tab
         if loc.is_remote(path):
             return loc.read_parquet(path, columns=columns)
         with pq.ParquetFile(path) as f:  # not pq.read_table: its dataset set-up costs ~0.7 ms a file
+            missing = [c for c in columns or () if c not in f.schema_arrow.names]  # f.read would skip them
+            if missing:
+                raise ArchiveError(f"archive file {path} has no `{'`, `'.join(missing)}` column, so it is not an event "
+                                   "archive data file; remove it from the commit manifest that names it")
             return f.read(columns=columns, use_threads=False)
     except (pa.ArrowException, OSError) as err:  # Arrow's IO and format errors are OSError/ValueError subclasses
         raise ArchiveError(f"archive file {path} is damaged ({err}); restore it from a copy, or rebuild the archive "

@@ -185,6 +185,8 @@ def test_damaged_or_foreign_archive_files_are_an_archive_error(tmp_path):
     pq.write_table(pa.table({"x": [1]}), foreign)
     with pytest.raises(ArchiveError, match="no string `event_type` column"):
         read_archive_file(foreign)
+    with pytest.raises(ArchiveError, match="has no `episode_id` column"):  # the driver's scan reads only that one
+        split_episode_ids([ArchiveFile(path=str(foreign), commit=1, topic="t")])
 
 
 def test_a_row_its_event_type_refuses_is_a_dead_letter_on_the_fast_path_too():

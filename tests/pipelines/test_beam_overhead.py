@@ -110,8 +110,9 @@ def test_shortened_state_sampling_still_samples(monkeypatch):
     from apache_beam.utils.counters import CounterFactory
 
     init = statesampler.StateSampler.__init__
-    monkeypatch.setattr(init, "__defaults__", init.__defaults__)  # restored after the test
-    assert statesampler.StateSampler("a", CounterFactory()).sampling_period_ms == 200  # Beam's own
+    # Beam's own period for this test (a job run earlier in this process shortened it), restored after it.
+    monkeypatch.setattr(init, "__defaults__", (statesampler.DEFAULT_SAMPLING_PERIOD_MS,))
+    assert statesampler.StateSampler("a", CounterFactory()).sampling_period_ms == 200
     shorten_state_sampling()
     shorten_state_sampling()  # idempotent
     assert statesampler.StateSampler("a", CounterFactory()).sampling_period_ms == STATE_SAMPLING_PERIOD_MS == 10
