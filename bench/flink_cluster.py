@@ -82,9 +82,7 @@ if __name__ == "__main__":
     parser.add_argument("--episodes", type=int, default=300)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    from streams.broker import start_broker, stop_broker
-
-    from streams.broker import free_port
+    from streams.broker import free_port, start_broker, stop_broker
 
     with tempfile.TemporaryDirectory(prefix="trajpipe-bench-flink-") as tmp:
         info = start_broker(engine="kafka", port=free_port(), data_dir=Path(tmp) / "broker")

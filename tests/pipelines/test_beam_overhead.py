@@ -1,4 +1,4 @@
-"""pipelines/beam_overhead.py: cached option views and memoized signatures change nothing Beam computes; the state sampler still samples."""
+"""pipelines/beam_overhead.py: cached views and memoized signatures change nothing Beam computes; sampling still samples."""
 
 from __future__ import annotations
 
