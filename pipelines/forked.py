@@ -15,7 +15,9 @@ costs milliseconds and no import; the DoFns are set up (``setup``) in the
 driver before the fork, so what they load there (the committed state a run
 builds on, the verifiers) is shared copy-on-write. Each task (``per_task``
 elements) is one *bundle* in a worker: ``start_bundle``, the elements through
-the chain, ``finish_bundle`` of each DoFn in order (what one emits there flows on into
+the chain depth first, as Beam runs fused DoFns (each main output goes on into the next
+DoFn before its producer goes on: a generator that reads is consumed as it reads),
+``finish_bundle`` of each DoFn in order (what one emits there flows on into
 the next). The outputs travel back pickled and leave the ParDo as they would
 have left the DoFns: the last DoFn's main output as the main output, every
 tagged output as ``"<stage>.<tag>"`` (:func:`output_tag`). The workers'
@@ -38,8 +40,8 @@ Examples:
     ...         yield 2 * x
     ...         yield beam.pvalue.TaggedOutput("odd", x) if x % 2 else None
     >>> out = _run_chain([ChainStage("double", Double(), ("odd",)), ChainStage("double2", Double())], [3])
-    >>> out.outputs
-    [('double.odd', 3), (None, 12)]
+    >>> out.outputs  # depth first: 6 goes on into double2 before double's tagged output is taken
+    [(None, 12), ('double.odd', 3)]
 """
 
 from __future__ import annotations
@@ -123,26 +125,24 @@ def _run_chain(chain: Sequence[ChainStage], elements: Sequence[Any]) -> _Result:
     result = _Result()
     for stage in chain:
         stage.fn.start_bundle()
-    pending = list(elements)
+
+    def route(i: int, outputs: Iterable[Any] | None) -> None:
+        # Depth first, as Beam runs fused stages: a main output goes on into the next stage at once.
+        name, last = chain[i].name, i == len(chain) - 1
+        for out in outputs or ():
+            if out is None:
+                continue
+            if isinstance(out, beam.pvalue.TaggedOutput):
+                result.outputs.append((output_tag(name, out.tag), _unwrap(out.value)))
+            elif last:
+                result.outputs.append((None, _unwrap(out)))
+            else:
+                route(i + 1, chain[i + 1].fn.process(_unwrap(out)))
+
+    for value in elements:
+        route(0, chain[0].fn.process(value))
     for i, stage in enumerate(chain):
-        last, nxt = i == len(chain) - 1, []
-
-        def route(outputs: Iterable[Any] | None, stage: ChainStage = stage, last: bool = last,
-                  nxt: list = nxt) -> None:
-            for out in outputs or ():
-                if out is None:
-                    continue
-                if isinstance(out, beam.pvalue.TaggedOutput):
-                    result.outputs.append((output_tag(stage.name, out.tag), _unwrap(out.value)))
-                elif last:
-                    result.outputs.append((None, _unwrap(out)))
-                else:
-                    nxt.append(_unwrap(out))
-
-        for value in pending:
-            route(stage.fn.process(value))
-        route(stage.fn.finish_bundle())
-        pending = nxt
+        route(i, stage.fn.finish_bundle())
     return result
 
 
