@@ -42,6 +42,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.decode import validate_event
+from pipelines.frames import FRAMES_TAG  # the frames of split episodes
 from pipelines.gcpause import gc_paused
 from pipelines.late import LateState
 from pipelines.types import DEAD_LETTER_TAG
@@ -411,8 +412,6 @@ def split_episode_ids(files: Sequence[ArchiveFile], *, also: Iterable[str] = ())
     return frozenset(spread) | frozenset(also)
 
 
-#: Output of :class:`ReadArchiveEpisodes` with the frames of split episodes.
-FRAMES_TAG = "frames"
 
 
 class _ReadFileLocalFn(beam.DoFn):

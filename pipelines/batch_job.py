@@ -46,7 +46,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from kafka.errors import KafkaError
 
 from pipelines import testhooks
-from pipelines.archive_source import FRAMES_TAG, ArchiveFile, ReadArchiveEpisodes, list_archive_files, split_episode_ids
+from pipelines.archive_source import ArchiveFile, ReadArchiveEpisodes, list_archive_files, split_episode_ids
 from pipelines.assemble import INCOMPLETE_TAG, PENDING_TAG
 from pipelines.beam_overhead import ViewCachingOptions, memoize_signatures, shorten_state_sampling
 from pipelines.commit import (
@@ -70,10 +70,14 @@ from pipelines.feedback import FEEDBACK_TAG, WriteFeedback, load_correction_toke
 from pipelines.forked import ChainStage, output_tag, per_task, usable_cpus
 from pipelines.frames import (
     CLOCK_TAG,
+    FRAMES_TAG,
+    IN_PLACE_DIR,
     UNDECIDED_TAG,
     AssembleEpisodesFromFrames,
+    AssembleInPlace,
     EventsToFrames,
     KeyFrames,
+    in_place_collisions,
     shuffle_buckets,
 )
 from pipelines.gcpause import gc_frozen
@@ -109,6 +113,9 @@ _LOG = logging.getLogger(__name__)
 #: Input (events; an archive: bytes / 2 KB) from which a run processes its episodes in forked workers.
 FORK_MIN_EVENTS = 20_000
 _ARCHIVE_BYTES_PER_EVENT = 2048
+#: Most events of one partition's range for its episodes to be assembled in the task that reads it (the task
+#: holds the range's frames until its end: ~2 KB an event); a larger range takes the shuffle.
+IN_PLACE_MAX_PARTITION_EVENTS = 1_000_000
 
 
 def _make_runner(name: str):
@@ -156,7 +163,15 @@ def run_batch(*, out: str | Path, recipe: Recipe, input: BatchInput | testhooks.
     layout = DatasetLayout(out=str(out), version=recipe.version, recipe_hash=recipe.content_hash)
     with commit_lock(layout, waiting=lambda: _LOG.warning(
             "another run is committing %s in %s; waiting for its commit lock", recipe.version, out)):
-        return _run_batch_locked(out=out, recipe=recipe, input=input, **kwargs)
+        try:
+            return _run_batch_locked(out=out, recipe=recipe, input=input, **kwargs)
+        except _InPlaceCollision as err:
+            _LOG.warning("%s; the micro-batch is made again through the shuffle (nothing was committed)", err)
+            return _run_batch_locked(out=out, recipe=recipe, input=input, **kwargs, in_place=False)
+
+
+class _InPlaceCollision(Exception):
+    """Episodes assembled in one forked read task had events in another (:func:`pipelines.frames.in_place_collisions`)."""
 
 
 def _run_batch_locked(
@@ -174,6 +189,7 @@ def _run_batch_locked(
     use_domain_verifiers: bool = True,
     tokenizer: str | None = None,
     workers: int | None = None,
+    in_place: bool = True,
 ) -> dict[str, int]:
     """One micro-batch: recover, read the uncovered input, run the pipeline, commit (under the lock: :func:`run_batch`).
 
@@ -200,6 +216,10 @@ def _run_batch_locked(
             :class:`pipelines.forked.ForkedChain`; FnApiRunner with a local ``out`` and input only, else 1).
             None: :func:`pipelines.forked.usable_cpus` for an input of :data:`FORK_MIN_EVENTS` events or
             more, else 1 (forking is not worth its few hundred milliseconds on less).
+        in_place: with Kafka input and forked workers, assemble each partition's episodes in the task
+            that read it (:class:`pipelines.frames.AssembleInPlace`; the shuffle carries only those of
+            the pending state). :func:`run_batch` runs a micro-batch again with False when an episode's
+            events were in two partitions.
 
     Returns:
         The counts (keys :data:`COUNT_KEYS`); all zero when there was no new input.
@@ -274,7 +294,23 @@ def _run_batch_locked(
         # (deleted with it on commit); a cluster runner's shuffle carries them itself.
         spill = loc.join(staging, "_frames") if runner_name == "FnApiRunner" and not layout.remote else None
         key_frames = KeyFrames(buckets=buckets, spill_dir=spill)
-        if isinstance(plan, KafkaPlan) and workers > 1:  # read and keyed in the forked workers
+        if (isinstance(plan, KafkaPlan) and workers > 1 and in_place
+                and max(r.size for r in plan.ranges) <= IN_PLACE_MAX_PARTITION_EVENTS):
+            # Producers key events by episode: a partition's range holds its episodes whole, assembled in the
+            # forked task that reads it (no shuffle, no second pass); only the pending state's take the shuffle.
+            pending_ids = _pending_ids(pending_path)
+            ledger_dir = loc.join(staging, IN_PLACE_DIR)
+            if len(pending_ids) * 16 < FORK_MIN_EVENTS:
+                shuffle_workers = 1
+            in_place_stage = AssembleInPlace(split=pending_ids, buckets=buckets, ledger_dir=ledger_dir,
+                                             committed=committed, future_after_s=future_after_s, spill_dir=spill)
+            chain = p | "ReadKafka" >> ReadKafkaRange(plan.input.conn, plan.input.topic, list(plan.ranges),
+                                                      downstream=[in_place_stage.stage(), *downstream()],
+                                                      workers=workers)
+            local = {"chain": chain, **{tag: chain[output_tag("assemble_in_place", tag)]
+                                        for tag in AssembleInPlace.TAGS}}
+            read, frames = local, local[FRAMES_TAG]
+        elif isinstance(plan, KafkaPlan) and workers > 1:  # read and keyed in the forked workers
             chain = p | "ReadKafka" >> ReadKafkaRange(plan.input.conn, plan.input.topic, list(plan.ranges),
                                                       downstream=[key_frames.stage()], workers=workers)
             read = {tag: chain[output_tag("keyframes", tag)] for tag in (DEAD_LETTER_TAG, COUNTS_TAG)}
@@ -333,6 +369,13 @@ def _run_batch_locked(
         with gc_frozen():  # the in-process runner's bundles run here (pipelines/gcpause.py)
             result = p.run()
             result.wait_until_finish()
+        if local is not None and isinstance(plan, KafkaPlan):
+            collisions = in_place_collisions(loc.join(staging, IN_PLACE_DIR))
+            if collisions:
+                loc.delete_dir(staging)
+                raise _InPlaceCollision(
+                    f"{len(collisions)} episode(s) had events in more than one partition of {plan.input.topic!r} "
+                    f"(e.g. {collisions[0]!r}: keyed by something else than the episode id, or partitions added)")
         counts, run_clock_s = _counts_from_files(staging, pending_path)
         _compare_with_metrics(counts, result)
         counts.update(stage_corrections(out, staging, recipe=recipe, commit=commit, manifests=manifests,

@@ -81,6 +81,11 @@ __all__ = [
     "AssembleFromFrames",
     "AssembleEpisodesFromFrames",
     "EpisodeAssembler",
+    "AssembleInPlace",
+    "InPlaceLedger",
+    "in_place_collisions",
+    "FRAMES_TAG",
+    "IN_PLACE_DIR",
     "UNDECIDED_TAG",
     "CLOCK_TAG",
 ]
@@ -467,6 +472,190 @@ class _AssembleFromFramesFn(beam.DoFn):
 
     def finish_bundle(self) -> Iterator[Any]:
         yield from self._assemble.clock_output()
+
+
+#: Output of :class:`AssembleInPlace` and :class:`pipelines.archive_source.ReadArchiveEpisodes` with the frame
+#: blobs of the episodes they leave to the shuffle.
+FRAMES_TAG = "frames"
+#: Directory (under a commit's staging directory) of :class:`AssembleInPlace`'s ledgers.
+IN_PLACE_DIR = "_in_place"
+
+
+class InPlaceLedger(msgspec.Struct, array_like=True, frozen=True):
+    """The episodes one :class:`AssembleInPlace` bundle assembled itself (``in_place``) and shuffled."""
+
+    in_place: list[str]
+    shuffled: list[str]
+
+
+def in_place_collisions(ledger_dir: str) -> list[str]:
+    """Episodes that one bundle of :class:`AssembleInPlace` assembled and another bundle also read (sorted).
+
+    Empty when every episode assembled in place had all its events of the run in that bundle: the
+    run's rows are then those of the shuffle. Not empty (events of one episode in two partitions: a
+    producer that keyed or partitioned them otherwise, partitions added to the topic), the run must
+    be made again through the shuffle.
+    """
+    if not os.path.isdir(ledger_dir):
+        return []
+    seen: dict[str, int] = {}
+    shuffled: set[str] = set()
+    collisions: set[str] = set()
+    for i, name in enumerate(sorted(os.listdir(ledger_dir))):
+        with open(os.path.join(ledger_dir, name), "rb") as f:
+            ledger = _LEDGER_DECODER.decode(f.read())
+        for episode_id in ledger.in_place:
+            if seen.setdefault(episode_id, i) != i:
+                collisions.add(episode_id)
+        shuffled.update(ledger.shuffled)
+    collisions.update(shuffled.intersection(seen))
+    return sorted(collisions)
+
+
+_LEDGER_DECODER = msgspec.msgpack.Decoder(InPlaceLedger)
+
+
+def _windowed(out: Any) -> Any:
+    """``out`` (maybe a ``TaggedOutput``) in the global window, as ``finish_bundle`` must emit it."""
+    window = GlobalWindow()
+    if isinstance(out, beam.pvalue.TaggedOutput):
+        return beam.pvalue.TaggedOutput(out.tag, WindowedValue(out.value, window.max_timestamp(), [window]))
+    return WindowedValue(out, window.max_timestamp(), [window])
+
+
+class _AssembleInPlaceFn(beam.DoFn):
+    """A bundle's Kafka batches → its episodes assembled here; pending ones → frame blobs (:class:`AssembleInPlace`).
+
+    What :class:`KeyFrames` and :class:`AssembleFromFrames` do on either side of the shuffle, in one
+    step: records are grouped by key as they come (references to their frames, no copy), and each
+    episode's frames are decoded only when it is assembled, at the bundle's end, so one part's
+    episodes at a time are objects (they go on into the next stages at once).
+    """
+
+    def __init__(self, split: frozenset[str], max_event_bytes: int, buckets: int, ledger_dir: str, *,
+                 late: LateState | None, future_after_s: float, committed: Any = None,
+                 spill_dir: str | None = None) -> None:
+        self._split, self._max, self._buckets = split, max_event_bytes, buckets
+        self._ledger_dir, self._spill_dir = ledger_dir, spill_dir
+        self._assemble = EpisodeAssembler(frozenset(), late=late, future_after_s=future_after_s,
+                                          committed=committed, counts=("events_in", "batches_in"))
+        c = self._assemble.counts
+        self._events_in, self._batches_in, self._dead = c["events_in"], c["batches_in"], c["dead_letters"]
+
+    def setup(self) -> None:
+        self._assemble.setup()
+
+    def start_bundle(self) -> None:
+        self._raw: dict[str, list[tuple]] = defaultdict(list)
+        self._topic = ""
+
+    def process(self, batch: RawRecords) -> Iterator[Any]:
+        self._batches_in.inc()
+        self._events_in.inc(len(batch))
+        self._topic = batch.topic
+        p, raw = batch.partition, self._raw
+        for off, key, frame, ts in zip(batch.offsets, batch.keys, batch.values, batch.timestamps_ms):
+            if key is not None and frame is not None:
+                raw[key.decode("utf-8", "replace")].append((p, off, ts, key, frame))
+                continue
+            try:  # no key (or no value): decoded now to find the episode, or quarantined (as KeyFrames does)
+                if frame is None:
+                    raise EventDecodeError("null_value", "record has no value (a tombstone?)")
+                raw[decode_event(frame, max_bytes=self._max).episode_id].append((p, off, ts, key, frame))
+            except EventDecodeError as err:
+                self._dead.inc()
+                yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, record_dead_letter(
+                    batch.topic, p, off, ts, key, frame, err.reason, str(err), err.event_type))
+
+    def _decode(self, episode_id: str, records: list[tuple]) -> tuple[list[Event], list[Any]]:
+        """An episode's valid events and the dead letters of its other frames (as AssembleFromFrames decides)."""
+        events, dead = [], []
+        for p, off, ts, key, frame in records:
+            try:
+                ev = decode_event(frame, max_bytes=self._max)
+            except EventDecodeError as err:
+                dead.append(record_dead_letter(self._topic, p, off, ts, key, frame, err.reason, str(err),
+                                               err.event_type))
+                continue
+            problem = validate_event(ev, key=key if key is not None else episode_id.encode())
+            if problem is not None:
+                dead.append(record_dead_letter(self._topic, p, off, ts, key, frame, problem[0], problem[1],
+                                               ev.event_type))
+            else:
+                events.append(ev)
+        if dead:
+            self._dead.inc(len(dead))
+        return events, dead
+
+    def finish_bundle(self) -> Iterator[Any]:
+        in_place: list[str] = []
+        shuffled: list[str] = []
+        groups: dict[int, tuple[list, list, list, list, list, list]] = defaultdict(
+            lambda: ([], [], [], [], [], []))
+        raw, self._raw = self._raw, defaultdict(list)
+        for episode_id in sorted(raw):
+            records = raw.pop(episode_id)
+            if episode_id in self._split:  # joins its pending fragment after the shuffle
+                shuffled.append(episode_id)
+                parts, offs, tss, keys, frames, ids = groups[bucket_of(episode_id, self._buckets)]
+                for p, off, ts, key, frame in records:
+                    parts.append(p)
+                    offs.append(off)
+                    tss.append(ts)
+                    keys.append(key)
+                    frames.append(frame)
+                    ids.append(episode_id)
+                continue
+            in_place.append(episode_id)
+            with gc_paused():  # decoding allocates an object per field; nothing here makes a cycle
+                events, dead = self._decode(episode_id, records)
+            for letter in dead:
+                yield _windowed(beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, letter))
+            for out in self._assemble(episode_id, events):
+                yield _windowed(out)
+        blobs = [FrameBlob(topic=self._topic, partitions=g[0], offsets=g[1], timestamps_ms=g[2], keys=g[3],
+                           frames=g[4], episode_ids=g[5]).encode() for g in groups.values()]
+        if self._spill_dir is not None and blobs:
+            blobs = spill_blobs(self._spill_dir, blobs)
+        for bucket, blob in zip(groups, blobs):
+            yield _windowed(beam.pvalue.TaggedOutput(FRAMES_TAG, (bucket, blob)))
+        os.makedirs(self._ledger_dir, exist_ok=True)
+        with open(os.path.join(self._ledger_dir, f"{uuid.uuid4().hex}.ledger"), "wb") as f:
+            f.write(_ENCODER.encode(InPlaceLedger(in_place=in_place, shuffled=shuffled)))
+        yield from self._assemble.clock_output()
+
+
+class AssembleInPlace:
+    """Kafka batches of one partition range → their episodes assembled in the bundle that read them.
+
+    A producer keys each event by its ``episode_id``, so Kafka's partitioner puts every event of
+    an episode in one partition: a bundle that reads a partition's whole range of the run (the
+    forked read of :class:`pipelines.sources_kafka.ReadKafkaRange` does) holds each of its
+    episodes whole, and needs no shuffle, as an archive file does
+    (:class:`pipelines.archive_source.ReadArchiveEpisodes`). Frames are decoded and validated
+    here (bad ones → ``dead_letters`` with their position), each episode goes through
+    :class:`EpisodeAssembler` (complete ones on the main output, the others ``undecided``),
+    except those in ``split`` (the pending state's: their earlier events join them after the
+    shuffle), which leave as frame blobs on ``frames``.
+
+    The partitioner is the producers', not ours to see: each bundle writes a ledger
+    (:class:`InPlaceLedger`) under ``ledger_dir``, and a run in which an episode assembled in one
+    bundle was also read by another (:func:`in_place_collisions`) must not commit -- the batch job
+    makes it again through the shuffle.
+    """
+
+    #: Its tagged outputs (the main output is ``episodes``).
+    TAGS = (DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG, FRAMES_TAG, FEEDBACK_TAG, COUNTS_TAG)
+
+    def __init__(self, *, split: Iterable[str] = (), max_event_bytes: int = 1 << 20, buckets: int = 1,
+                 ledger_dir: str, late: LateState | None = None, future_after_s: float = math.inf,
+                 committed: Any = None, spill_dir: str | None = None) -> None:
+        self._fn = _AssembleInPlaceFn(frozenset(split), max_event_bytes, buckets, ledger_dir, late=late,
+                                      future_after_s=future_after_s, committed=committed, spill_dir=spill_dir)
+
+    def stage(self, name: str = "assemble_in_place") -> ChainStage:
+        """This step as a stage of a :class:`pipelines.forked.ForkedChain` (after the read)."""
+        return ChainStage(name, self._fn, self.TAGS)
 
 
 class AssembleFromFrames(beam.PTransform):
