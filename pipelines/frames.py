@@ -66,6 +66,7 @@ from pipelines.gcpause import gc_paused
 from pipelines.late import LATE_TAG, LateEpisode, LateState, LateStateReader
 from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE, Episode, RawRecords
 from schemas.codec import EventDecodeError, decode_event, encode_event
+from schemas.deadletter import DeadLetter
 from schemas.events import Event
 
 __all__ = [
@@ -207,9 +208,7 @@ class _KeyFramesFn(beam.DoFn):
                 episode_id = key.decode("utf-8", "replace")
             else:  # no key (or no value): decode now to find the episode, or quarantine
                 try:
-                    if value is None:
-                        raise EventDecodeError("null_value", "record has no value (a tombstone?)")
-                    episode_id = decode_event(value, max_bytes=self._max).episode_id
+                    episode_id = _unkeyed_episode(value, self._max)
                 except EventDecodeError as err:
                     self._c.inc("dead_letters")
                     yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, record_dead_letter(
@@ -430,6 +429,28 @@ class EpisodeAssembler:
                                                                  store=res.events))
 
 
+def _decode_frame(topic: str, partition: int, offset: int, ts: int, key: bytes | None, frame: bytes,
+                  episode_id: str, max_bytes: int) -> Event | DeadLetter:
+    """A frame grouped under ``episode_id``, decoded and validated; or the dead letter that says why it is not an event."""
+    try:
+        ev = decode_event(frame, max_bytes=max_bytes)
+    except EventDecodeError as err:
+        return record_dead_letter(topic, partition, offset, ts, key, frame, err.reason, str(err), err.event_type)
+    problem = validate_event(ev, key=key if key is not None else episode_id.encode())
+    if problem is not None:
+        return record_dead_letter(topic, partition, offset, ts, key, frame, problem[0], problem[1], ev.event_type)
+    return ev
+
+
+def _unkeyed_episode(value: bytes | None, max_bytes: int) -> str:
+    """The episode a record without a key (or without a value) belongs to, from its decoded event.
+
+    Raises:
+        EventDecodeError: no value (a tombstone: ``truncated``), or one that does not decode.
+    """
+    return decode_event(value, max_bytes=max_bytes).episode_id
+
+
 class _AssembleFromFramesFn(beam.DoFn):
     def __init__(self, already_emitted: frozenset[str], max_event_bytes: int, *, late: LateState | None,
                  future_after_s: float, committed: Any = None) -> None:
@@ -450,21 +471,12 @@ class _AssembleFromFramesFn(beam.DoFn):
                 blob = read_blob(raw)
                 for p, off, ts, key, frame, episode_id in zip(blob.partitions, blob.offsets, blob.timestamps_ms,
                                                               blob.keys, blob.frames, blob.episode_ids):
-                    events = by_episode[episode_id]
-                    try:
-                        ev = decode_event(frame, max_bytes=self._max)
-                    except EventDecodeError as err:
+                    ev = _decode_frame(blob.topic, p, off, ts, key, frame, episode_id, self._max)
+                    if isinstance(ev, DeadLetter):
                         dead += 1
-                        yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, record_dead_letter(
-                            blob.topic, p, off, ts, key, frame, err.reason, str(err), err.event_type))
-                        continue
-                    problem = validate_event(ev, key=key if key is not None else episode_id.encode())
-                    if problem is not None:
-                        dead += 1
-                        yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, record_dead_letter(
-                            blob.topic, p, off, ts, key, frame, problem[0], problem[1], ev.event_type))
-                        continue
-                    events.append(ev)
+                        yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, ev)
+                    else:
+                        by_episode[episode_id].append(ev)
         if dead:
             self._dead.inc(dead)
         for episode_id in sorted(by_episode):
@@ -559,9 +571,7 @@ class _AssembleInPlaceFn(beam.DoFn):
                 raw[key.decode("utf-8", "replace")].append((p, off, ts, key, frame))
                 continue
             try:  # no key (or no value): decoded now to find the episode, or quarantined (as KeyFrames does)
-                if frame is None:
-                    raise EventDecodeError("null_value", "record has no value (a tombstone?)")
-                raw[decode_event(frame, max_bytes=self._max).episode_id].append((p, off, ts, key, frame))
+                raw[_unkeyed_episode(frame, self._max)].append((p, off, ts, key, frame))
             except EventDecodeError as err:
                 self._dead.inc()
                 yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, record_dead_letter(
@@ -570,19 +580,9 @@ class _AssembleInPlaceFn(beam.DoFn):
     def _decode(self, episode_id: str, records: list[tuple]) -> tuple[list[Event], list[Any]]:
         """An episode's valid events and the dead letters of its other frames (as AssembleFromFrames decides)."""
         events, dead = [], []
-        for p, off, ts, key, frame in records:
-            try:
-                ev = decode_event(frame, max_bytes=self._max)
-            except EventDecodeError as err:
-                dead.append(record_dead_letter(self._topic, p, off, ts, key, frame, err.reason, str(err),
-                                               err.event_type))
-                continue
-            problem = validate_event(ev, key=key if key is not None else episode_id.encode())
-            if problem is not None:
-                dead.append(record_dead_letter(self._topic, p, off, ts, key, frame, problem[0], problem[1],
-                                               ev.event_type))
-            else:
-                events.append(ev)
+        for record in records:
+            ev = _decode_frame(self._topic, *record, episode_id, self._max)
+            (dead if isinstance(ev, DeadLetter) else events).append(ev)
         if dead:
             self._dead.inc(len(dead))
         return events, dead
@@ -590,21 +590,13 @@ class _AssembleInPlaceFn(beam.DoFn):
     def finish_bundle(self) -> Iterator[Any]:
         in_place: list[str] = []
         shuffled: list[str] = []
-        groups: dict[int, tuple[list, list, list, list, list, list]] = defaultdict(
-            lambda: ([], [], [], [], [], []))
+        groups: dict[int, list[tuple]] = defaultdict(list)  # bucket → (partition, offset, ts, key, frame, episode)
         raw, self._raw = self._raw, defaultdict(list)
         for episode_id in sorted(raw):
             records = raw.pop(episode_id)
             if episode_id in self._split:  # joins its pending fragment after the shuffle
                 shuffled.append(episode_id)
-                parts, offs, tss, keys, frames, ids = groups[bucket_of(episode_id, self._buckets)]
-                for p, off, ts, key, frame in records:
-                    parts.append(p)
-                    offs.append(off)
-                    tss.append(ts)
-                    keys.append(key)
-                    frames.append(frame)
-                    ids.append(episode_id)
+                groups[bucket_of(episode_id, self._buckets)].extend((*r, episode_id) for r in records)
                 continue
             in_place.append(episode_id)
             with gc_paused():  # decoding allocates an object per field; nothing here makes a cycle
@@ -613,8 +605,7 @@ class _AssembleInPlaceFn(beam.DoFn):
                 yield _windowed(beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, letter))
             for out in self._assemble(episode_id, events):
                 yield _windowed(out)
-        blobs = [FrameBlob(topic=self._topic, partitions=g[0], offsets=g[1], timestamps_ms=g[2], keys=g[3],
-                           frames=g[4], episode_ids=g[5]).encode() for g in groups.values()]
+        blobs = [FrameBlob(self._topic, *map(list, zip(*g))).encode() for g in groups.values()]
         if self._spill_dir is not None and blobs:
             blobs = spill_blobs(self._spill_dir, blobs)
         for bucket, blob in zip(groups, blobs):

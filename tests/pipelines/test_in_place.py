@@ -117,3 +117,25 @@ def test_an_episode_in_two_partitions_makes_the_run_again_through_the_shuffle(ta
     assert c == shuffled and c["episodes"] == 8 and c["pending_episodes"] == 0
     _same_rows(tmp_path / "in_place", tmp_path / "shuffle")
     assert not list((tmp_path / "in_place").rglob(IN_PLACE_DIR))  # the ledgers go with the staging directory
+
+
+@pytest.mark.integration
+def test_unkeyed_records_and_tombstones_in_place_as_through_the_shuffle(tansu_broker, topic_name, tmp_path):
+    """An episode sent without keys is grouped by the id its events name; a keyed record with no value (a
+    tombstone) and an unkeyed one that does not decode are dead letters: in place as through the shuffle."""
+    _topic(tansu_broker.bootstrap, topic_name, 1)
+    conn = KafkaConnection(bootstrap_servers=tansu_broker.bootstrap, client_id="trajpipe-test", request_timeout_ms=5_000)
+    eps = episodes(6, seed=13)
+    msgs = [(e.episode_id.encode(), encode_event(e)) for e in flat(eps[:5])]
+    msgs += [(None, encode_event(e)) for e in eps[5]] + [(None, b"junk")]
+    produce_messages(tansu_broker.bootstrap, topic_name, msgs)
+    producer = KafkaProducer(bootstrap_servers=tansu_broker.bootstrap, acks="all")
+    try:
+        producer.send(topic_name, key=eps[0][0].episode_id.encode(), value=None).get(30)
+    finally:
+        producer.close(timeout=10)
+    counts = [run_batch(out=tmp_path / str(in_place), recipe=load_recipe("outcome"), workers=2, in_place=in_place,
+                        input=KafkaInput(conn=conn, topic=topic_name)) for in_place in (True, False)]
+    assert counts[0] == counts[1]
+    assert (counts[0]["episodes"], counts[0]["dead_letters"], counts[0]["events_in"]) == (6, 2, len(msgs) + 1)
+    _same_rows(tmp_path / "True", tmp_path / "False")
