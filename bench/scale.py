@@ -8,9 +8,9 @@ whole topic into a fresh dataset root and commits it. Figures:
 ``pipeline_events_s_1m`` (events/s of the whole micro-batch: planning,
 reading, the Beam job, the commit) and ``pipeline_1m_events_s`` /
 ``pipeline_1m_wall_s`` (the 1M run), ``pipeline_1m_peak_rss_mb`` (the driver) and
-``pipeline_1m_worker_peak_rss_mb`` (the largest ended child process: the job's forked
-workers, pipelines/forked.py, or a tool the broker's start ran); and, since
-wall time on a shared machine says as much about the neighbours, the job's CPU
+``pipeline_1m_worker_peak_rss_mb`` (the largest of the job's forked workers,
+pipelines/forked.py, kept or ended, and of ended child processes, such as a tool the
+broker's start ran); and, since wall time on a shared machine says as much about the neighbours, the job's CPU
 time (this process, all threads, and its forked workers): ``pipeline_events_per_cpu_s_<size>``
 and ``pipeline_1m_cpu_s``. Each run's
 counts must reconcile (``events_in + events_pending_in == events_used +
@@ -51,6 +51,7 @@ from pathlib import Path
 import msgspec
 from kafka import KafkaProducer
 
+from pipelines.forked import worker_pids
 from pipelines.inputs import KafkaInput
 from pipelines.recipes import load_recipe
 from pipelines.trajectory_job import run_batch
@@ -91,13 +92,32 @@ def _copies(pool: list[list[Event]]) -> Iterator[list[Event]]:
 
 
 def _cpu_s() -> float:
-    """CPU seconds of this process (all threads; FnApiRunner runs the job in it) and its ended children.
+    """CPU seconds of this process (all threads; FnApiRunner runs the job in it) and of the job's forked workers.
 
-    The children are the job's forked workers (pipelines/forked.py), counted once the run has
-    joined them; the broker, a child still running, is not.
+    The workers (pipelines/forked.py) outlive a run: the kept ones are read from ``/proc``, the
+    ended ones from this process's ended children (a broker, a child still running, is neither).
     """
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    live = sum(_proc_stat(pid)[0] for pid in worker_pids())
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + live
+
+
+def _worker_peak_rss_mb() -> float:
+    """The largest peak RSS of the job's forked workers, kept (``/proc``) or ended (this process's children)."""
+    ended = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return max([ended, *(_proc_stat(pid)[1] for pid in worker_pids())])
+
+
+def _proc_stat(pid: int) -> tuple[float, float]:
+    """``(CPU seconds, peak RSS MiB)`` of the live process ``pid``; zeros when it has ended."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/status") as f:
+            hwm = next((int(line.split()[1]) for line in f if line.startswith("VmHWM:")), 0)
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0, 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), hwm / 1024
 
 
 def reconcile(counts: dict[str, int], *, expected_in: int) -> None:
@@ -144,8 +164,7 @@ def bench_scale(bootstrap: str, workdir: Path, *, max_events: int | None = None)
                                pipeline_1m_events=in_topic, pipeline_1m_episodes=counts["episodes"],
                                pipeline_1m_peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                                                              / 1024),
-                               pipeline_1m_worker_peak_rss_mb=round(
-                                   resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024))
+                               pipeline_1m_worker_peak_rss_mb=round(_worker_peak_rss_mb()))
     finally:
         producer.close()
     figures["pipeline_scale_max_events"] = sent

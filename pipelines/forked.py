@@ -11,9 +11,20 @@ and 5.6 s in one process.
 into the next, as Beam fuses them -- inside one ParDo whose elements go to a
 pool of processes forked from the driver
 (:class:`concurrent.futures.ProcessPoolExecutor`, ``fork`` context). A fork
-costs milliseconds and no import; the DoFns are set up (``setup``) in the
-driver before the fork, so what they load there (the committed state a run
-builds on, the verifiers) is shared copy-on-write. Each task (``per_task``
+costs milliseconds and no import. The pool is kept for the life of the
+process (one per worker count; :func:`close_pools` ends them) and serves
+every bundle and every run after the one that forked it: a worker that has
+done a task keeps the memory it faulted in, and fresh pages cost here ~16x
+reused ones (docs/pipelines.md), so a forked worker's first task took
+0.51-0.56 s against 0.27-0.30 s for its later ones (archive job, 100k events).
+The chain is therefore not inherited but shipped: pickled once per bundle
+(~2-3 KB: the DoFns carry references, such as
+:class:`pipelines.committed.CommittedView`, not state), unpickled and set
+up (``setup``) once per worker, its newest few chains kept and the older
+ones torn down (``teardown``). Each worker also keeps freed heap memory
+instead of giving it back to the kernel at once (:func:`_keep_heap`). A bundle that fails
+(an exception, a worker that died) shuts its pool down; the next bundle
+forks a new one. Each task (``per_task``
 elements) is one *bundle* in a worker: ``start_bundle``, the elements through
 the chain depth first, as Beam runs fused DoFns (each main output goes on into the next
 DoFn before its producer goes on: a generator that reads is consumed as it reads),
@@ -46,9 +57,15 @@ Examples:
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
-from collections import deque
+import platform
+import signal
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -57,12 +74,14 @@ from multiprocessing import get_context
 from typing import Any, NamedTuple
 
 import apache_beam as beam
+from apache_beam.internal import pickler
 from apache_beam.metrics.cells import CounterCell, DistributionCell
 from apache_beam.metrics.execution import MetricsEnvironment
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
-__all__ = ["ChainStage", "ForkedChain", "ForkedWorkerDied", "LAZY_IMPORTS", "output_tag", "per_task", "usable_cpus"]
+__all__ = ["ChainStage", "ForkedChain", "ForkedWorkerDied", "LAZY_IMPORTS", "close_pools", "output_tag", "per_task",
+           "usable_cpus", "worker_pids"]
 
 
 #: Modules numpy and Arrow import on first use, which the job's chains reach (``numpy.ma`` by a ``take`` with
@@ -112,8 +131,122 @@ class _Result:
     distributions: dict[tuple[str, str], tuple[int, int, int, int]] = field(default_factory=dict)
 
 
-#: The chain a forked worker runs: set in the driver just before the pool forks (inherited, never pickled).
-_CHAIN: Sequence[ChainStage] = ()
+#: The pools kept for the life of the process, by worker count (:func:`_pool`, :func:`close_pools`).
+_POOLS: dict[int, ProcessPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+#: In a worker: the chains it was sent, by token, set up; the newest :data:`_KEEP_CHAINS` are kept.
+_CHAINS: OrderedDict[str, Sequence[ChainStage]] = OrderedDict()
+_KEEP_CHAINS = 4
+
+#: glibc's ``mallopt`` parameters (malloc.h) and a worker's values: allocations below 64 MiB come from the
+#: heap, which keeps up to 512 MiB free at its top instead of giving it back (:func:`_keep_heap`).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_WORKER_TRIM_BYTES, _WORKER_MMAP_BYTES = 512 << 20, 64 << 20
+
+#: How often a worker checks that the driver that forked it still runs (:func:`_init_worker`).
+_PARENT_POLL_S = 1.0
+
+
+def _pool(workers: int) -> ProcessPoolExecutor:
+    """The process's pool of ``workers`` forked workers; forked on first use."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(workers)
+        if pool is None:
+            pool = _POOLS[workers] = ProcessPoolExecutor(workers, mp_context=get_context("fork"),
+                                                         initializer=_init_worker)
+        return pool
+
+
+def _drop_pool(pool: ProcessPoolExecutor) -> None:
+    """Shut ``pool`` down (its pending tasks cancelled, its workers joined) and forget it."""
+    with _POOLS_LOCK:
+        for n, p in list(_POOLS.items()):
+            if p is pool:
+                del _POOLS[n]
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def close_pools() -> None:
+    """End every kept pool of forked workers (their memory goes back; the next bundle forks new ones).
+
+    For a process that wants its workers' memory back between runs, and for tests, whose
+    monkeypatches a worker forked earlier would not see.
+    """
+    with _POOLS_LOCK:
+        pools = list(_POOLS.values())
+        _POOLS.clear()
+    for pool in pools:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def worker_pids() -> list[int]:
+    """The process ids of the kept pools' workers (for a benchmark that counts their CPU time while they live)."""
+    with _POOLS_LOCK:
+        return sorted(pid for pool in _POOLS.values() for pid in (getattr(pool, "_processes", None) or {}))
+
+
+def _init_worker() -> None:
+    """A new worker: it ends with the driver, leaves Ctrl-C to it, and keeps its heap (:func:`_keep_heap`).
+
+    A kept worker waits between runs; were the driver killed (``kill -9``, an OOM kill)
+    it would wait forever (it holds its task queue's write end itself), so a thread
+    ends it within a second of its parent's end. Ctrl-C reaches the whole process group:
+    the driver stops the run and shuts the pool down; an idle worker's
+    ``KeyboardInterrupt`` would only print a traceback.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def watch_parent() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch_parent, name="forked-parent-watch", daemon=True).start()
+    _keep_heap()
+
+
+def _keep_heap() -> None:
+    """In a new worker (glibc only): keep freed memory for the next task and run.
+
+    glibc gives the top of its heap back above 128 KiB free and serves allocations
+    from 128 KiB (growing with use) by ``mmap``, unmapped when freed; Arrow's default
+    pool (mimalloc) purges freed pages after 10 ms. Either way every task faults
+    fresh pages again. In a worker the heap keeps up to 512 MiB free, allocations
+    below 64 MiB come from it, and Arrow allocates through it too
+    (:func:`pyarrow.system_memory_pool`). Measured (docs/pipelines.md, seventh pass):
+    the Kafka job's workers faulted ~40 % fewer pages; Arrow through the heap made the
+    archive job 3-7 % faster and the Kafka job no slower. The pool's workers are
+    long-lived, so what they keep is the working set of their next task.
+    """
+    if platform.libc_ver()[0] != "glibc":
+        return
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, _WORKER_MMAP_BYTES)
+        libc.mallopt(_M_TRIM_THRESHOLD, _WORKER_TRIM_BYTES)
+    except (OSError, AttributeError):  # not the glibc we looked for: the defaults stay
+        return
+    import pyarrow as pa
+
+    pa.set_memory_pool(pa.system_memory_pool())
+
+
+def _chain(token: str, blob: bytes) -> Sequence[ChainStage]:
+    """In a worker: the chain ``token`` names, unpickled from ``blob`` and set up the first time."""
+    chain = _CHAINS.get(token)
+    if chain is None:
+        chain = pickler.loads(blob)
+        for stage in chain:
+            stage.fn.setup()
+        _CHAINS[token] = chain
+        while len(_CHAINS) > _KEEP_CHAINS:
+            for stage in _CHAINS.popitem(last=False)[1]:
+                stage.fn.teardown()
+    else:
+        _CHAINS.move_to_end(token)
+    return chain
 
 
 def _unwrap(value: Any) -> Any:
@@ -146,12 +279,13 @@ def _run_chain(chain: Sequence[ChainStage], elements: Sequence[Any]) -> _Result:
     return result
 
 
-def _work(elements: Sequence[Any]) -> _Result:
-    """In a forked worker: run :data:`_CHAIN` over ``elements``; collect the Beam metrics they updated."""
-    container = MetricsEnvironment.current_container()  # the driver's, copied by the fork
+def _work(token: str, blob: bytes, elements: Sequence[Any]) -> _Result:
+    """In a forked worker: run the chain ``token`` over ``elements``; collect the Beam metrics they updated."""
+    chain = _chain(token, blob)
+    container = MetricsEnvironment.current_container()  # the driver's when it forked, copied
     if container is not None:
         container.metrics = {}  # count only this task's updates (the copy; the driver's is untouched)
-    result = _run_chain(_CHAIN, elements)
+    result = _run_chain(chain, elements)
     if container is not None:
         for key, cell in container.metrics.items():
             name = (key.metric_name.namespace, key.metric_name.name)
@@ -174,15 +308,16 @@ class _ForkedChainFn(beam.DoFn):
     def setup(self) -> None:
         for name in LAZY_IMPORTS:  # once here, not once in every forked worker
             importlib.import_module(name)
-        for stage in self._chain:
-            stage.fn.setup()
+        if self._workers > 1:  # the workers set up their own copies
+            self._token, self._blob = uuid.uuid4().hex, pickler.dumps(self._chain)
+        else:
+            for stage in self._chain:
+                stage.fn.setup()
 
     def start_bundle(self) -> None:
-        global _CHAIN
         self._close()  # the pool of an earlier bundle that failed (a --loop process runs many)
         if self._workers > 1:
-            _CHAIN = self._chain  # the forked workers inherit it
-            self._pool = ProcessPoolExecutor(self._workers, mp_context=get_context("fork"))
+            self._pool = _pool(self._workers)
         self._futures = deque()
         self._task: list[Any] = []
 
@@ -202,35 +337,41 @@ class _ForkedChainFn(beam.DoFn):
             while self._futures:
                 yield from self._emit(self._result(self._futures.popleft()), windowed=True)
         finally:
-            self._close()
+            self._close()  # a failed bundle's pool is shut down; a finished one's is kept
 
     def _submit(self, *, windowed: bool) -> Iterator[Any]:
         task, self._task = self._task, []
         if self._pool is None:  # one worker: the task runs here, its metrics straight into the bundle's
             yield from self._emit(_run_chain(self._chain, task), windowed=windowed)
         else:
-            self._futures.append(self._pool.submit(_work, task))
+            self._futures.append(self._pool.submit(_work, self._token, self._blob, task))
 
     def teardown(self) -> None:
         self._close()
-        for stage in self._chain:
-            stage.fn.teardown()
+        if self._workers == 1:
+            for stage in self._chain:
+                stage.fn.teardown()
 
     def _result(self, future: Future) -> _Result:
         try:
             return future.result()
         except BrokenProcessPool as err:
+            if self._pool is not None:  # broken for good: the next bundle forks a new one
+                _drop_pool(self._pool)
+                self._pool = None
             stages = " → ".join(s.name for s in self._chain)
             raise ForkedWorkerDied(
                 f"a forked worker of {stages} died before it answered (killed? out of memory?); nothing of this "
                 "run was committed: run it again, with --local-workers 1 to keep it in one process") from err
 
     def _close(self) -> None:
+        """Let go of the pool: kept when the bundle finished, shut down with tasks still in it (it failed)."""
         if self._pool is not None:
-            for f in self._futures:
-                f.cancel()
-            self._futures.clear()
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            if self._futures:  # the bundle failed: its other tasks must not go on writing
+                for f in self._futures:
+                    f.cancel()
+                self._futures.clear()
+                _drop_pool(self._pool)
             self._pool = None
 
     @staticmethod

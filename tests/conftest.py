@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +22,15 @@ from streams.broker import BrokerInfo, start_broker, stop_broker
 from streams.config import KafkaConnection
 from tests.helpers import free_port
 from tests.s3_helpers import S3Store, aws_environment, start_seaweedfs, stop_seaweedfs
+
+
+@pytest.fixture(autouse=True)
+def _fresh_forked_workers() -> Iterator[None]:
+    """Each test forks its own pipeline workers: a pool kept from an earlier test would not see its monkeypatches."""
+    yield
+    forked = sys.modules.get("pipelines.forked")
+    if forked is not None:
+        forked.close_pools()
 
 
 def _session_broker(tmp_path_factory: pytest.TempPathFactory, engine: str) -> Iterator[BrokerInfo]:

@@ -2,7 +2,8 @@
 
 On FnApiRunner, in process: the same outputs on every tag (finish_bundle outputs included), the same
 counter totals, each element really processed in another process; a worker that dies or a DoFn that
-raises fails the run with one clear message, never a hang.
+raises fails the run with one clear message, never a hang. The pool outlives a run (the next run's
+tasks go to the same processes, with the chain it sends them) but not a failed one.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
-from pipelines.forked import ChainStage, ForkedChain, ForkedWorkerDied, output_tag
+from pipelines import forked as forked_module
+from pipelines.forked import ChainStage, ForkedChain, ForkedWorkerDied, close_pools, output_tag
 
 
 class _Split(beam.DoFn):
@@ -138,3 +140,100 @@ def test_forked_chain_options_are_checked():
     with pytest.raises(ValueError, match="`workers` and `per_task` must be >= 1"):
         ForkedChain(_chain(), workers=0)
     assert issubclass(ForkedWorkerDied, RuntimeError)
+
+
+def test_the_pool_outlives_a_run_and_each_run_sends_its_own_chain():
+    groups = [(k, list(range(k, k + 7))) for k in range(1, 9)]
+    first, _ = _run(groups, forked=True)
+    pool = forked_module._POOLS[2]
+    again, seen = _run([(k, [v + 1000 for v in vs]) for k, vs in groups], forked=True)  # other input, same pool
+    assert forked_module._POOLS[2] is pool and set(first["pids"]) | set(again["pids"]) <= set(pool._processes)
+    assert sorted(v for v in again["main"] if v >= 0) == sorted((k * 100 + v + 1000) ** 2 for k, vs in groups
+                                                                  for v in vs)
+    assert seen == 8 * 7  # the counters are this run's, not the pool's running total
+    close_pools()
+    fresh, _ = _run(groups, forked=True)
+    assert not set(fresh["pids"]) & set(first["pids"])  # closed: new workers
+
+
+def test_a_run_after_a_failed_one_gets_a_working_pool():
+    groups = [(k, list(range(k, k + 3))) for k in range(1, 5)]
+    before, _ = _run(groups, forked=True)
+    pool = forked_module._POOLS[2]
+    with pytest.raises(Exception, match="died before it answered"):
+        _run([(1, [1, 2]), (2, [3, -1]), (3, [4])], forked=True)
+    assert 2 not in forked_module._POOLS  # the broken pool was shut down and forgotten
+    after_death, seen = _run(groups, forked=True)
+    assert seen == 4 * 3 and forked_module._POOLS[2] is not pool and not set(after_death["pids"]) & set(before["pids"])
+    with pytest.raises(Exception, match="value -2 is not allowed"):
+        _run([(1, [1, 2]), (2, [-2]), (3, [5]), (4, [6])], forked=True)
+    after_error, seen = _run(groups, forked=True)
+    assert seen == 4 * 3 and sorted(v for v in after_error["main"] if v >= 0) == sorted(
+        v for v in before["main"] if v >= 0)
+
+
+class _Tracked(beam.DoFn):
+    """Records its set-up and tear-down in ``log`` (a worker's chain cache, run here in the test's process)."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self._name, self._log = name, log
+
+    def setup(self) -> None:
+        self._log.append(("setup", self._name))
+
+    def teardown(self) -> None:
+        self._log.append(("teardown", self._name))
+
+
+def test_a_worker_sets_each_chain_up_once_and_tears_the_oldest_down(monkeypatch):
+    from apache_beam.internal import pickler
+
+    log: list = []
+    monkeypatch.setattr(forked_module, "_CHAINS", type(forked_module._CHAINS)())
+    monkeypatch.setattr(pickler, "loads", lambda blob: [ChainStage(blob.decode(), _Tracked(blob.decode(), log))])
+    for name in ["a", "b", "a", "c", "d", "e"]:
+        forked_module._chain(name, name.encode())
+    assert log == [("setup", "a"), ("setup", "b"), ("setup", "c"), ("setup", "d"), ("setup", "e"),
+                   ("teardown", "b")]  # four kept; "a" was used again after "b", so "b" is the oldest
+    assert list(forked_module._CHAINS) == ["a", "c", "d", "e"]
+
+
+def test_kept_workers_end_with_a_killed_driver_and_ignore_ctrl_c(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        "import os, sys, time\n"
+        "from pipelines.forked import _pool\n"
+        "pool = _pool(2)\n"
+        "pids = {pool.submit(os.getpid).result() for _ in range(8)}\n"  # the workers started, now idle
+        "print(' '.join(map(str, sorted(pool._processes))), flush=True)\n"
+        "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        workers = [int(p) for p in proc.stdout.readline().split()]
+        assert workers and proc.pid not in workers
+        for pid in workers:
+            os.kill(pid, signal.SIGINT)  # Ctrl-C reaches the process group: an idle worker stays
+        time.sleep(0.5)
+        assert all(_alive(pid) for pid in workers)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in workers)  # no orphan waits forever for a driver that is gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
