@@ -60,7 +60,6 @@ from __future__ import annotations
 import ctypes
 import importlib
 import os
-import platform
 import signal
 import threading
 import time
@@ -135,9 +134,11 @@ class _Result:
 _POOLS: dict[int, ProcessPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
-#: In a worker: the chains it was sent, by token, set up; the newest :data:`_KEEP_CHAINS` are kept.
+#: In a worker: the chains it was sent, by token, set up; the newest :data:`_KEEP_CHAINS` are kept (a run has
+#: at most two forked chains, the read's and the assembly's; an older chain's resources, such as a Kafka
+#: connection, are let go when it is torn down).
 _CHAINS: OrderedDict[str, Sequence[ChainStage]] = OrderedDict()
-_KEEP_CHAINS = 4
+_KEEP_CHAINS = 2
 
 #: glibc's ``mallopt`` parameters (malloc.h) and a worker's values: allocations below 64 MiB come from the
 #: heap, which keeps up to 512 MiB free at its top instead of giving it back (:func:`_keep_heap`).
@@ -220,7 +221,10 @@ def _keep_heap() -> None:
     archive job 3-7 % faster and the Kafka job no slower. The pool's workers are
     long-lived, so what they keep is the working set of their next task.
     """
-    if platform.libc_ver()[0] != "glibc":
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
+            return
+    except (ValueError, OSError):  # not glibc (musl has no such name)
         return
     try:
         libc = ctypes.CDLL(None)
