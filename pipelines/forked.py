@@ -79,8 +79,8 @@ from apache_beam.metrics.execution import MetricsEnvironment
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
-__all__ = ["ChainStage", "ForkedChain", "ForkedWorkerDied", "LAZY_IMPORTS", "close_pools", "output_tag", "per_task",
-           "usable_cpus", "worker_pids"]
+__all__ = ["ChainStage", "ForkedChain", "ForkedWorkerDied", "LAZY_IMPORTS", "close_pools", "in_global_window",
+           "output_tag", "per_task", "usable_cpus", "worker_pids"]
 
 
 #: Modules numpy and Arrow import on first use, which the job's chains reach (``numpy.ma`` by a ``take`` with
@@ -253,6 +253,14 @@ def _chain(token: str, blob: bytes) -> Sequence[ChainStage]:
     return chain
 
 
+def in_global_window(out: Any) -> Any:
+    """``out`` (a value or a ``TaggedOutput``) in the global window, as a ``finish_bundle`` must emit it."""
+    window = GlobalWindow()
+    if isinstance(out, beam.pvalue.TaggedOutput):
+        return beam.pvalue.TaggedOutput(out.tag, WindowedValue(out.value, window.max_timestamp(), [window]))
+    return WindowedValue(out, window.max_timestamp(), [window])
+
+
 def _unwrap(value: Any) -> Any:
     return value.value if isinstance(value, WindowedValue) else value
 
@@ -393,11 +401,9 @@ class _ForkedChainFn(beam.DoFn):
                 elif count > 1:  # min and max exact; count and sum approximate (only max is read: job_counts)
                     cell.update(lo)
                     cell.update(hi)
-        window = GlobalWindow()
         for tag, value in result.outputs:
-            if windowed:  # from finish_bundle: Beam needs the window
-                value = WindowedValue(value, window.max_timestamp(), [window])
-            yield value if tag is None else beam.pvalue.TaggedOutput(tag, value)
+            out = value if tag is None else beam.pvalue.TaggedOutput(tag, value)
+            yield in_global_window(out) if windowed else out  # from finish_bundle: Beam needs the window
 
 
 class ForkedChain(beam.PTransform):

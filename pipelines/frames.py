@@ -61,7 +61,7 @@ from pipelines.assemble import (
 )
 from pipelines.decode import record_dead_letter, validate_event
 from pipelines.feedback import FEEDBACK_TAG, split_feedback
-from pipelines.forked import ChainStage, ForkedChain, output_tag
+from pipelines.forked import ChainStage, ForkedChain, in_global_window, output_tag
 from pipelines.gcpause import gc_paused
 from pipelines.late import LATE_TAG, LateEpisode, LateState, LateStateReader
 from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE, Episode, RawRecords
@@ -527,14 +527,6 @@ def in_place_collisions(ledger_dir: str) -> list[str]:
 _LEDGER_DECODER = msgspec.msgpack.Decoder(InPlaceLedger)
 
 
-def _windowed(out: Any) -> Any:
-    """``out`` (maybe a ``TaggedOutput``) in the global window, as ``finish_bundle`` must emit it."""
-    window = GlobalWindow()
-    if isinstance(out, beam.pvalue.TaggedOutput):
-        return beam.pvalue.TaggedOutput(out.tag, WindowedValue(out.value, window.max_timestamp(), [window]))
-    return WindowedValue(out, window.max_timestamp(), [window])
-
-
 class _AssembleInPlaceFn(beam.DoFn):
     """A bundle's Kafka batches → its episodes assembled here; pending ones → frame blobs (:class:`AssembleInPlace`).
 
@@ -602,14 +594,14 @@ class _AssembleInPlaceFn(beam.DoFn):
             with gc_paused():  # decoding allocates an object per field; nothing here makes a cycle
                 events, dead = self._decode(episode_id, records)
             for letter in dead:
-                yield _windowed(beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, letter))
+                yield in_global_window(beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, letter))
             for out in self._assemble(episode_id, events):
-                yield _windowed(out)
+                yield in_global_window(out)
         blobs = [FrameBlob(self._topic, *map(list, zip(*g))).encode() for g in groups.values()]
         if self._spill_dir is not None and blobs:
             blobs = spill_blobs(self._spill_dir, blobs)
         for bucket, blob in zip(groups, blobs):
-            yield _windowed(beam.pvalue.TaggedOutput(FRAMES_TAG, (bucket, blob)))
+            yield in_global_window(beam.pvalue.TaggedOutput(FRAMES_TAG, (bucket, blob)))
         os.makedirs(self._ledger_dir, exist_ok=True)
         with open(os.path.join(self._ledger_dir, f"{uuid.uuid4().hex}.ledger"), "wb") as f:
             f.write(_ENCODER.encode(InPlaceLedger(in_place=in_place, shuffled=shuffled)))

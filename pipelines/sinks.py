@@ -45,7 +45,7 @@ from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
 from pipelines.evaluations import evaluation_row
-from pipelines.forked import ChainStage
+from pipelines.forked import ChainStage, in_global_window
 from pipelines.gcpause import gc_paused
 from pipelines.late import LateEpisode, write_late_files
 from pipelines.groups import (
@@ -522,12 +522,8 @@ class _StageRowsFn(beam.DoFn):
             yield from self._flush()
 
     def finish_bundle(self) -> Iterator[Any]:
-        window = GlobalWindow()
         for out in self._flush():
-            if isinstance(out, beam.pvalue.TaggedOutput):
-                yield beam.pvalue.TaggedOutput(out.tag, WindowedValue(out.value, window.max_timestamp(), [window]))
-            else:
-                yield WindowedValue(out, window.max_timestamp(), [window])
+            yield in_global_window(out)
 
     def _flush(self) -> Iterator[Any]:
         stats = GroupStatsMap()
