@@ -85,6 +85,7 @@ interleaving of workers continues where it stopped too.
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import logging
 import os
@@ -1290,6 +1291,21 @@ def _check_worker_socket_room() -> None:
                         f"{_AF_UNIX_PATH_MAX - 32} bytes, or train with data.num_workers: 0")
 
 
+def _worker_dumps_its_stack_on_a_crash(_worker_id: int) -> None:
+    """A DataLoader worker that dies of a fatal signal writes every thread's Python stack to stderr first.
+
+    torch's own handler (installed before this runs) prints only "Unexpected segmentation
+    fault encountered in worker" and the trainer then reports the worker as "exited
+    unexpectedly"; :mod:`faulthandler` replaces it for SIGSEGV, SIGFPE, SIGABRT, SIGBUS and
+    SIGILL and re-raises the signal, so the parent sees the same death, with the stack
+    that caused it on stderr.
+    """
+    # Enabled in the parent already (PYTHONFAULTHANDLER, pytest), enable() alone would keep torch's
+    # handler: it only reinstalls after a disable().
+    faulthandler.disable()
+    faulthandler.enable(file=2, all_threads=True)  # fd 2: a test's or a CLI runner's sys.stderr may have no file
+
+
 class TrajectoryLoader:
     """A DataLoader over a :class:`TrajectoryStream` that remembers what it handed out.
 
@@ -1311,6 +1327,7 @@ class TrajectoryLoader:
             stream, batch_size=None, num_workers=stream.num_workers, pin_memory=pin_memory,
             prefetch_factor=prefetch_factor if stream.num_workers else None,
             persistent_workers=False, multiprocessing_context="fork" if stream.num_workers and os.name == "posix" else None,
+            worker_init_fn=_worker_dumps_its_stack_on_a_crash if stream.num_workers else None,
         )
 
     def __iter__(self) -> Iterator[PackedBatch]:

@@ -402,3 +402,21 @@ def test_synthetic_rows_form_a_stream(tmp_path):
                                          cut_tokens=r.context_cut_tokens))
             assert n_input <= 24 and n_input == min(24, sum(map(len, obs[:i + 1])) + sum(map(len, act[:i])))
     assert np.all([r.trainable for r in rows])
+
+
+def test_a_worker_that_crashes_writes_its_stack_and_the_loader_says_it_died(make_dataset, monkeypatch, capfd):
+    """A DataLoader worker killed by SIGSEGV: its Python stack (every thread) is on stderr, the loader raises."""
+    import ctypes
+
+    root = make_dataset((4,))
+
+    def crash_in_the_worker(self, shard, start):
+        ctypes.string_at(0)  # a read of address 0: SIGSEGV in the worker process
+        yield from ()
+
+    monkeypatch.setattr(TrajectoryStream, "_iter_offline", crash_in_the_worker)
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid\(s\) \d+\) exited unexpectedly"):
+        list(TrajectoryLoader(TrajectoryStream(root, seq_len=256, batch_size=2, num_workers=1)))
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Segmentation fault" in err
+    assert "in crash_in_the_worker" in err and "in __iter__" in err
