@@ -105,6 +105,7 @@ __all__ = [
     "SpoolFullError",
     "SpoolLockedError",
     "ProducerClosedError",
+    "ProducerStuckError",
     "read_spool",
     "SPOOL_MAGIC",
 ]
@@ -119,6 +120,8 @@ _SPOOL_BUFFER = 1 << 20
 _REPLAY_CHUNK = 20_000
 # In-flight sends are reaped (acked ones counted, completed ones dropped) once this many are waiting.
 _REAP_AT = 512
+#: A flush waits this long past the delivery timeout before it calls the client stuck (ProducerStuckError).
+_FLUSH_MARGIN_S = 30.0
 #: One spool record: (key, value, headers).
 _RECORD = msgspec.msgpack.Decoder(tuple[bytes | None, bytes, list[tuple[str, bytes]]])
 
@@ -142,6 +145,17 @@ class SpoolFullError(SpoolError):
 
 class SpoolLockedError(SpoolError):
     """Another producer holds the spool of this topic in this ``spool_dir``."""
+
+
+class ProducerStuckError(RuntimeError):
+    """Kafka's client did not complete its sends within the delivery timeout: events since the last flush are not acknowledged.
+
+    kafka-python completes every send (acked, or failed and so spooled) within
+    ``delivery_timeout_ms``; a flush that waits longer than that and a margin is
+    the client stuck, and waiting on would hang the caller for good. The
+    producer raises instead; what was acknowledged before stays in Kafka or in
+    the spool, and a new producer on the same ``spool_dir`` replays the spool.
+    """
 
 
 class KeyHashPartitioner(Partitioner):
@@ -604,6 +618,8 @@ class EventProducer:
 
         Raises:
             ProducerClosedError: the producer is closed.
+            ProducerStuckError: Kafka's client still had sends neither acked nor failed
+                30 s past the delivery timeout.
             streams.errors.KafkaAccessDenied: the broker refused a send for want of an
                 ACL (the refused events are in the spool, and replay once it is granted).
         """
@@ -728,6 +744,9 @@ class EventProducer:
     # -- callbacks (kafka-python's sender thread) --------------------------------------------------------------
 
     def _on_error(self, key: bytes | None, value: bytes, headers: list[Header], err: BaseException) -> None:
+        if self._closed:  # only a stuck client's send fails after close() (ProducerStuckError); never acknowledged
+            log.warning("a send to %s failed after the producer closed (%s); not spooled", self.topic, err)
+            return
         self._send_errors += 1
         self._degraded = True
         if is_access_denied(err):
@@ -756,7 +775,7 @@ class EventProducer:
 
     def _flush_locked(self) -> None:
         if self._producer is not None and not self._spooling:
-            self._producer.flush()
+            self._flush_kafka()
             self._reap_all()
             if self._degraded:
                 self._drain_and_spool("send failed")
@@ -764,21 +783,43 @@ class EventProducer:
             self._try_replay()
         self._spool.sync()
 
+    def _flush_kafka(self) -> None:
+        """kafka-python's flush, bounded by the delivery timeout and a margin (see :class:`ProducerStuckError`)."""
+        assert self._producer is not None
+        bound = self._delivery_timeout_s + _FLUSH_MARGIN_S
+        try:
+            self._producer.flush(timeout=bound)
+        except kafka_errors.KafkaTimeoutError:
+            self._close_kafka()  # later events go to the spool, and a new client replays it
+            self._reap_all()
+            self._enter_spooling("Kafka's client stuck")
+            raise ProducerStuckError(
+                f"Kafka's client did not complete its sends to topic {self.topic!r} within {bound:g} s (the delivery "
+                f"timeout and {_FLUSH_MARGIN_S:g} s): events emitted since the last flush are not acknowledged; "
+                f"start the producer again (spooled events replay from {self._spool.path})") from None
+
     def _drain_and_spool(self, why: str) -> None:
         """Wait for in-flight sends (failures spool themselves), then spool everything new."""
         if self._producer is not None:
-            self._producer.flush()
+            self._flush_kafka()
             self._close_kafka()
         self._reap_all()
         self._enter_spooling(why)
 
     def _close_kafka(self) -> None:
         producer, self._producer = self._producer, None
-        if producer is not None:
-            try:
-                producer.close(timeout=0)
-            except kafka_errors.KafkaError as err:  # unsent batches fail and spool via their errbacks
-                log.debug("closing the Kafka producer: %s", err)
+        if producer is None:
+            return
+        try:
+            producer.close(timeout=0)
+        except kafka_errors.KafkaTimeoutError:
+            # Sends not done (a stuck client, ProducerStuckError): kafka-python's close() flushes first and
+            # raises, and its __del__ would flush and raise again at exit. Marked closed, it is left to its
+            # (daemon) sender thread: a send that thread completes later is acked, or spooled by its errback
+            # while this producer is open (a duplicate at worst, removed downstream by event_id).
+            producer._closed = True
+        except kafka_errors.KafkaError as err:
+            log.debug("closing the Kafka producer: %s", err)
 
     def _enter_spooling(self, why: str) -> None:
         self._spooling = True

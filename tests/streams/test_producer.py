@@ -14,7 +14,7 @@ from schemas.events import Step
 from streams.admin import ensure_topics
 from streams.broker import start_broker, stop_broker
 from streams.config import ConfigError, KafkaConnection, Topics
-from streams.producer import EventProducer, SpoolLockedError, ProducerClosedError, read_spool
+from streams.producer import EventProducer, ProducerClosedError, ProducerStuckError, SpoolLockedError, read_spool
 from tests.helpers import free_port
 from tests.streams.conftest import assert_episode_order, make_events, read_all
 
@@ -277,3 +277,38 @@ def test_full_spool_disk_fails_clearly_and_keeps_what_was_acknowledged(tmp_path)
     # A new producer drops nothing acknowledged and replays only intact records.
     with EventProducer(_dead_conn(), "t", spool_dir=spool, **FAST) as producer:
         assert producer.stats().pending == len(records) >= 30
+
+
+def test_a_flush_on_a_client_that_never_completes_its_sends_is_one_error_not_a_hang(tansu_broker, topics, tmp_path,
+                                                                                   monkeypatch):
+    """kafka-python promises every send done (acked or failed) within the delivery timeout; were a send never
+    done, the unbounded flush waited forever. Here the client's batches are never completed (their ``done`` is a
+    no-op, the broker real): the flush gives up past the delivery timeout and a margin with one error, and the
+    producer goes on through its spool and a new client."""
+    import streams.producer as producer_mod
+    from kafka.producer.producer_batch import ProducerBatch
+
+    live = KafkaConnection(bootstrap_servers=tansu_broker.bootstrap, request_timeout_ms=1_000)
+    ensure_topics(live, topics)
+    events = make_events(episodes=2, steps=5)
+    producer = EventProducer(live, topics.events, spool_dir=tmp_path, **{**FAST, "delivery_timeout_ms": 1_500})
+    producer.emit(events[0])
+    assert producer.flush().sent == 1
+    with monkeypatch.context() as stuck:
+        stuck.setattr(producer_mod, "_FLUSH_MARGIN_S", 0.5)
+        stuck.setattr(ProducerBatch, "done", lambda self, *a, **kw: False)  # the client never completes a send
+        for ev in events[1:5]:
+            producer.emit(ev)
+        t0 = time.monotonic()
+        with pytest.raises(ProducerStuckError, match=r"did not complete its sends to topic .* within 2 s .* not "
+                                                     r"acknowledged"):
+            producer.flush()
+        assert time.monotonic() - t0 < 30
+    assert producer.spooling  # the stuck client is dropped: what comes next waits in the spool for a new one
+    for ev in events[5:]:
+        producer.emit(ev)
+    stats = producer.flush()  # replays through a new client
+    assert (stats.sent, stats.replayed, stats.pending) == (1, 5, 0)
+    assert producer.close() == 0
+    got = {decode_event(r.value).event_id for r in read_all(live, topics.events)}
+    assert {ev.event_id for ev in events[:1] + events[5:]} <= got  # the acknowledged ones
