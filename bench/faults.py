@@ -125,6 +125,8 @@ class FaultReport:
     spool_full_clear_errors: int = 0
     spool_full_hangs: int = 0
     spool_full_mount: str = ""
+    #: producers still running when the drain's deadline passed (each one's stacks are in the log)
+    drain_timeouts: dict[str, int] = field(default_factory=dict)
 
 
 def _free_port() -> int:
@@ -348,6 +350,19 @@ class _Cluster:
     def killable(self, role: str) -> bool:
         proc = self.procs.get(role)
         return proc is not None and proc.poll() is None and time.monotonic() - proc.started >= MIN_AGE_S[role]
+
+    def dump_stuck_producers(self) -> None:
+        """Producers still running at the drain deadline: their stacks (SIGUSR1, trajpipe/cli.py) logged and counted."""
+        for role, done in self.producers_done.items():
+            proc = self.procs.get(role)
+            if done or proc is None or proc.poll() is not None:
+                continue
+            self.report.drain_timeouts[role] = self.report.drain_timeouts.get(role, 0) + 1
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.popen.pid, signal.SIGUSR1)
+            time.sleep(2.0)
+            log.warning("%s (%s) still running at the drain deadline; its stacks: %s", role, proc.err_path,
+                        proc.stderr_tail(8000))
 
     def kill_all(self) -> None:
         for role in self.procs:
@@ -736,6 +751,7 @@ def run_faults(work: Path, *, min_faults: int = 50, min_duration_s: float = 120.
         deadline = time.monotonic() + 600
         while not all(c.producers_done.values()) and time.monotonic() < deadline:
             c.wait(0.5)
+        c.dump_stuck_producers()
         for role in ("trainer", "archiver", "pipeline"):  # the trainer stops at a random moment like any kill
             c.producers_done[role] = True  # not restarted by tick()
             c.kill(role)
@@ -765,6 +781,7 @@ def run_faults(work: Path, *, min_faults: int = 50, min_duration_s: float = 120.
         "spool_full_clear_errors": report.spool_full_clear_errors,
         "spool_full_hangs": report.spool_full_hangs,
         "spool_full_disk": report.spool_full_mount,
+        "drain_timeouts": report.drain_timeouts,
         **{k: v for k, v in out.items() if k not in ("events_acknowledged", "events_lost", "dataset_duplicates")},
         "duration_s": round(time.monotonic() - t0, 1),
     }
@@ -784,6 +801,10 @@ def _run_once(c: _Cluster, name: str, argv: list[str], timeout_s: float = 600) -
     proc = _Proc(name, argv, c.env, c.logs, c.runs + 1)
     c.runs += 1
     rc = _wait_proc(c, proc, timeout_s)
+    if rc is None:  # still running: its stacks into its stderr first (SIGUSR1, trajpipe/cli.py)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.popen.pid, signal.SIGUSR1)
+        time.sleep(2.0)
     if rc != 0:
         proc.kill()
         raise RuntimeError(f"{name} failed ({rc}): {proc.stderr_tail()}")

@@ -17,9 +17,11 @@ the traceback, before the ``error:`` line.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -534,7 +536,6 @@ def archive(
     _check_at_least("--commit-every", commit_every, 1)
     if not poll_interval > 0:
         _fail(f"`--poll-interval` must be > 0 seconds, got {poll_interval:g}")
-    import signal
     import threading
 
     from streams.admin import ensure_topics
@@ -770,8 +771,6 @@ def rollout(
     unknown = sorted({d.strip() for d in domains.split(",") if d.strip()} - set(known_domains()))
     if unknown:
         _fail(f"`--domains` names unknown domains {', '.join(unknown)}; known: {', '.join(known_domains())}")
-    import os
-    import signal
     import socket
     import threading
 
@@ -1304,6 +1303,8 @@ def main() -> None:
     from trajpipe.lifeline import exit_with_parent
 
     exit_with_parent()  # a part of `trajpipe loop`: end with the loop (trajpipe/lifeline.py)
+    # `kill -USR1 <pid>`: every thread's Python stack on stderr, and the command goes on (a hang's diagnosis)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("kafka").setLevel(logging.WARNING)
     logging.getLogger("apache_beam").setLevel(logging.WARNING)

@@ -153,3 +153,33 @@ def test_train_with_a_wrong_model_is_one_line_from_the_console_script(tmp_path):
         f"error: `--model` {tmp_path / 'no-model'} does not exist; give a local Hugging Face model directory "
         f"(make one with `trajpipe model init-tiny --out {tmp_path / 'no-model'}`)"]
     assert "Traceback" not in proc.stderr and "[rank0]" not in proc.stderr and proc.stdout == ""
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_command_goes_on(tmp_path):
+    """``kill -USR1 <pid>`` of a command that hangs: its stacks on stderr (a hang's diagnosis), the command alive."""
+    import signal
+    import time
+
+    script = tmp_path / "waits.py"
+    script.write_text(
+        "import sys, threading, time\n"
+        "import trajpipe.cli as cli\n"
+        "def waits_here():\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(60)\n"
+        "threading.Thread(target=time.sleep, args=(60,), name='helper', daemon=True).start()\n"
+        "cli.app = waits_here\n"
+        "cli.main()\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    with subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout.readline() == "ready\n"
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            assert proc.poll() is None  # still running
+        finally:
+            proc.kill()
+        err = proc.stderr.read()
+    assert "most recent call first" in err and 'in waits_here' in err
+    assert err.count("Thread 0x") + err.count("Current thread 0x") >= 2  # every thread, the helper too
