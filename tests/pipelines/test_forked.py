@@ -237,3 +237,35 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.parametrize("loop_s, kept", [(1, True), (45, False)])
+def test_a_loop_keeps_its_workers_for_a_short_wait_and_ends_them_before_a_long_one(loop_s, kept, tmp_path,
+                                                                                    monkeypatch):
+    """``pipeline run --loop``: between micro-batches the forked workers stay warm, unless the wait is long
+    (>= pipelines.batch_job.IDLE_WORKERS_CLOSE_S), when their memory goes back first."""
+    import time
+    import types
+
+    from pipelines import batch_job
+    from tests.pipelines.helpers import episodes, flat, write_archive
+
+    archive = write_archive(tmp_path / "archive", [flat(episodes(12))])
+    waits: list[tuple[float, list[int]]] = []
+
+    class _Stop(Exception):
+        pass
+
+    def sleep(seconds: float) -> None:  # the loop's wait: what is alive then, and end the loop
+        waits.append((seconds, forked_module.worker_pids()))
+        raise _Stop
+
+    clock = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
+    clock.sleep = sleep
+    monkeypatch.setattr(batch_job, "time", clock)
+    with pytest.raises(_Stop):
+        batch_job.run(["--source", "archive", "--archive", str(archive), "--out", str(tmp_path / "out"),
+                       "--loop", str(loop_s), "--local-workers", "2"])
+    ((seconds, pids),) = waits
+    assert seconds == loop_s
+    assert (len(pids) == 2) if kept else (pids == [])
