@@ -105,7 +105,6 @@ __all__ = [
     "SpoolFullError",
     "SpoolLockedError",
     "ProducerClosedError",
-    "ProducerStuckError",
     "read_spool",
     "SPOOL_MAGIC",
 ]
@@ -120,7 +119,7 @@ _SPOOL_BUFFER = 1 << 20
 _REPLAY_CHUNK = 20_000
 # In-flight sends are reaped (acked ones counted, completed ones dropped) once this many are waiting.
 _REAP_AT = 512
-#: A flush waits this long past the delivery timeout before it calls the client stuck (ProducerStuckError).
+#: A flush waits this long past the delivery timeout before it calls the client stuck (_ClientStuck).
 _FLUSH_MARGIN_S = 30.0
 #: One spool record: (key, value, headers).
 _RECORD = msgspec.msgpack.Decoder(tuple[bytes | None, bytes, list[tuple[str, bytes]]])
@@ -147,14 +146,16 @@ class SpoolLockedError(SpoolError):
     """Another producer holds the spool of this topic in this ``spool_dir``."""
 
 
-class ProducerStuckError(RuntimeError):
-    """Kafka's client did not complete its sends within the delivery timeout: events since the last flush are not acknowledged.
+class _ClientStuck(RuntimeError):
+    """What a send fails with when Kafka's client did not complete it within the delivery timeout and a margin.
 
     kafka-python completes every send (acked, or failed and so spooled) within
-    ``delivery_timeout_ms``; a flush that waits longer than that and a margin is
-    the client stuck, and waiting on would hang the caller for good. The
-    producer raises instead; what was acknowledged before stays in Kafka or in
-    the spool, and a new producer on the same ``spool_dir`` replays the spool.
+    ``delivery_timeout_ms``; a flush still waiting past that and a margin is the
+    client stuck, and waiting on would hang the caller for good. The producer
+    drops that client, fails its unfinished sends with this error (their
+    errbacks spool them: acknowledged once the spool is synced, a duplicate
+    downstream, removed by ``event_id``, where one did reach Kafka) and replays
+    the spool through a new client.
     """
 
 
@@ -618,8 +619,6 @@ class EventProducer:
 
         Raises:
             ProducerClosedError: the producer is closed.
-            ProducerStuckError: Kafka's client still had sends neither acked nor failed
-                30 s past the delivery timeout.
             streams.errors.KafkaAccessDenied: the broker refused a send for want of an
                 ACL (the refused events are in the spool, and replay once it is granted).
         """
@@ -744,7 +743,7 @@ class EventProducer:
     # -- callbacks (kafka-python's sender thread) --------------------------------------------------------------
 
     def _on_error(self, key: bytes | None, value: bytes, headers: list[Header], err: BaseException) -> None:
-        if self._closed:  # only a stuck client's send fails after close() (ProducerStuckError); never acknowledged
+        if self._closed:  # after close() every send is done (a stuck client's were failed): cannot happen
             log.warning("a send to %s failed after the producer closed (%s); not spooled", self.topic, err)
             return
         self._send_errors += 1
@@ -784,19 +783,31 @@ class EventProducer:
         self._spool.sync()
 
     def _flush_kafka(self) -> None:
-        """kafka-python's flush, bounded by the delivery timeout and a margin (see :class:`ProducerStuckError`)."""
+        """kafka-python's flush, bounded: a client stuck past the bound is dropped, its unfinished sends spooled.
+
+        See :class:`_ClientStuck`. Without the bound a client that never completed a send (a
+        sender thread that died, a bug of the client's) held ``flush`` and so its caller forever.
+        """
         assert self._producer is not None
         bound = self._delivery_timeout_s + _FLUSH_MARGIN_S
         try:
             self._producer.flush(timeout=bound)
+            return
         except kafka_errors.KafkaTimeoutError:
-            self._close_kafka()  # later events go to the spool, and a new client replays it
-            self._reap_all()
-            self._enter_spooling("Kafka's client stuck")
-            raise ProducerStuckError(
-                f"Kafka's client did not complete its sends to topic {self.topic!r} within {bound:g} s (the delivery "
-                f"timeout and {_FLUSH_MARGIN_S:g} s): events emitted since the last flush are not acknowledged; "
-                f"start the producer again (spooled events replay from {self._spool.path})") from None
+            pass
+        self._degraded = True  # emits from now on take the lock (held here) and then the spool
+        err = _ClientStuck(f"Kafka's client did not complete the send within {bound:g} s (the delivery timeout "
+                           f"and {_FLUSH_MARGIN_S:g} s)")
+        stuck = [f for f in tuple(self._inflight) if not f.is_done]
+        log.warning("Kafka's client did not complete %d sends to %s within %g s (the delivery timeout and %g s): "
+                    "it is dropped, they are spooled and replay through a new client", len(stuck), self.topic, bound,
+                    _FLUSH_MARGIN_S)
+        for future in stuck:
+            future.failure(err)  # its errback spools the record
+        self._close_kafka()
+        for future in tuple(self._inflight):  # sent by an emit that raced the switch
+            if not future.is_done:
+                future.failure(err)
 
     def _drain_and_spool(self, why: str) -> None:
         """Wait for in-flight sends (failures spool themselves), then spool everything new."""
@@ -813,10 +824,9 @@ class EventProducer:
         try:
             producer.close(timeout=0)
         except kafka_errors.KafkaTimeoutError:
-            # Sends not done (a stuck client, ProducerStuckError): kafka-python's close() flushes first and
-            # raises, and its __del__ would flush and raise again at exit. Marked closed, it is left to its
-            # (daemon) sender thread: a send that thread completes later is acked, or spooled by its errback
-            # while this producer is open (a duplicate at worst, removed downstream by event_id).
+            # Sends not done (a stuck client, _ClientStuck): kafka-python's close() flushes first and raises,
+            # and its __del__ would flush and raise again at exit. Marked closed, it is left to its (daemon)
+            # sender thread; its unfinished sends were failed and spooled by _flush_kafka.
             producer._closed = True
         except kafka_errors.KafkaError as err:
             log.debug("closing the Kafka producer: %s", err)
