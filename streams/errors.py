@@ -61,6 +61,19 @@ class KafkaAccessDenied(KafkaAuthError):
     """The client authenticated, but an ACL does not allow what it asked for."""
 
 
+class _HungUp(KafkaAuthError):
+    """The server accepted TCP, then hung up on the handshake: a listener of another protocol, or a broker going down.
+
+    :func:`check_kafka` tells the two apart by asking again: a broker killed or restarting
+    refuses the next connections (and is waited for) or answers them; a listener of
+    another protocol hangs up every time, and the third time is reported.
+    """
+
+
+#: :func:`check_kafka` reports a protocol mismatch after this many hang-ups (0.5 s apart for one server).
+_HANG_UPS = 3
+
+
 def _who(conn: KafkaConnection) -> str:
     if conn.security_protocol.startswith("SASL"):
         return f"client {conn.client_id!r} (SASL {conn.sasl_mechanism} user {conn.sasl_username!r})"
@@ -84,6 +97,7 @@ def check_kafka(conn: KafkaConnection) -> None:
     """
     deadline = time.monotonic() + conn.connect_timeout_s
     last: OSError | None = None
+    hang_ups = 0
     while True:
         for server in conn.servers:
             host, _, port = server.rpartition(":")
@@ -96,6 +110,12 @@ def check_kafka(conn: KafkaConnection) -> None:
                 continue
             try:
                 _handshake(conn, sock, host=host, server=server)
+            except _HungUp as err:  # another protocol, or a broker going down under us: ask again
+                hang_ups += 1
+                if hang_ups >= _HANG_UPS:
+                    raise KafkaAuthError(str(err)) from None
+                last = ConnectionResetError(f"{server} hung up on the handshake")
+                continue
             finally:
                 sock.close()
             return
@@ -125,7 +145,7 @@ def _handshake(conn: KafkaConnection, sock: socket.socket, *, host: str, server:
                 f"(the embedded broker's is <data-dir>/auth/ca.pem), and connect by a name the certificate holds"
             ) from None
         except (ssl.SSLError, OSError) as err:
-            raise KafkaAuthError(
+            raise _HungUp(
                 f"TLS handshake of {_who(conn)} with {server} failed ({err}): the listener may not use TLS; "
                 f"check kafka.security_protocol / TRAJPIPE_KAFKA__SECURITY_PROTOCOL ({conn.security_protocol})"
             ) from None
@@ -155,7 +175,7 @@ def _authenticate(conn: KafkaConnection, sock: socket.socket, *, server: str) ->
                 f"Kafka rejected the credentials of {_who(conn)} at {server} ({err}): check kafka.sasl_username "
                 f"and the password ({_PASSWORD_SETTING})"
             ) from None
-        raise KafkaAuthError(
+        raise _HungUp(
             f"{server} did not answer {_who(conn)} over {conn.security_protocol} ({type(err).__name__}): the listener "
             f"may require TLS or SASL; set kafka.security_protocol / TRAJPIPE_KAFKA__SECURITY_PROTOCOL "
             f"(and the SASL settings) to what the cluster uses"

@@ -133,3 +133,76 @@ def test_a_data_dir_keeps_the_auth_mode_it_was_formatted_with(tmp_path):
     with pytest.raises(BrokerError, match="first started with `--auth sasl-ssl`, not `--auth none`"):
         start_broker(engine="kafka", port=free_port(), data_dir=tmp_path)
     assert broker_status(tmp_path) is None  # nothing was launched
+
+
+class _HangUpProxy:
+    """A TCP proxy in front of ``target`` that resets the first ``hang_ups`` connections (a broker going down under
+    the client, or a listener of another protocol) and forwards the later ones."""
+
+    def __init__(self, target: tuple[str, int], hang_ups: int) -> None:
+        import socket
+        import threading
+
+        self.target, self.left, self.seen = target, hang_ups, 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import contextlib
+        import socket
+        import struct
+        import threading
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.seen += 1
+            if self.left > 0:
+                self.left -= 1
+                client.settimeout(5)
+                with contextlib.suppress(OSError):
+                    client.recv(4)  # the request's first bytes: the client is past its connect
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                client.close()  # RST: ConnectionResetError on the client's side
+                continue
+            upstream = socket.create_connection(self.target)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a, b) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                s.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.parametrize("hang_ups, refused", [(1, False), (2, False), (1000, True)])
+def test_a_hang_up_on_the_handshake_is_asked_again_and_only_a_listener_that_always_hangs_up_is_refused(
+        kafka_broker, hang_ups, refused):
+    """A broker killed or restarting while a client connects resets that connection; it used to be reported at
+    once as a protocol mismatch ("the listener may require TLS or SASL", exit 2, the end of a --loop job).
+    Now the client asks again; only the third hang-up is that error."""
+    host, _, port = kafka_broker.bootstrap.rpartition(":")
+    proxy = _HangUpProxy((host, int(port)), hang_ups)
+    try:
+        conn = KafkaConnection(bootstrap_servers=f"127.0.0.1:{proxy.port}", client_id="x", connect_timeout_s=20)
+        if refused:
+            with pytest.raises(KafkaAuthError, match=r"did not answer client 'x' over PLAINTEXT .* may require TLS"):
+                check_kafka(conn)
+            assert proxy.seen == 3
+        else:
+            check_kafka(conn)
+            assert proxy.seen == hang_ups + 1
+    finally:
+        proxy.close()
