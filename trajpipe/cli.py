@@ -13,6 +13,11 @@ way. Any other exception is a bug or an environment failure: one line
 ``error: <Type>: <message> (run with --debug for the traceback)`` and exit
 status 1. ``trajpipe --debug <command>`` (or ``TRAJPIPE_DEBUG=1``) also prints
 the traceback, before the ``error:`` line.
+
+Tracebacks that kafka-python and Beam log for errors handled on the way (a socket
+closed under kafka-python's reader, a DoFn ``setup`` that raised before a retry) are
+logged as one line too, unless ``--debug``; ``kill -USR1 <pid>`` prints every thread's
+stack of a running command (a hang's diagnosis) and the command goes on.
 """
 
 from __future__ import annotations
@@ -1311,4 +1316,25 @@ def main() -> None:
     logging.getLogger("apache_beam.io.gcp").setLevel(logging.ERROR)
     for handler in logging.getLogger().handlers:  # Beam warns about optional GCP clients at import
         handler.addFilter(lambda record: "apitools not found" not in record.getMessage())
+        if not _debug_requested(sys.argv[1:]):
+            handler.addFilter(_library_tracebacks_as_one_line)
     app()  # errors are reported by _RootGroup.main
+
+
+#: Libraries whose logged tracebacks :func:`_library_tracebacks_as_one_line` shortens.
+_ONE_LINE_LOGGERS = ("kafka", "apache_beam")
+
+
+def _library_tracebacks_as_one_line(record: logging.LogRecord) -> bool:
+    """A traceback that kafka-python or Beam logs becomes one line: the message and ``(Type: error)``.
+
+    They log one for errors that are handled: kafka-python for a socket closed under its
+    reader (it reconnects), Beam for a DoFn whose ``setup`` raised (the command then retries,
+    or ends with its own one ``error:`` line). ``--debug`` / ``TRAJPIPE_DEBUG`` keeps them.
+    """
+    if record.exc_info and record.exc_info[1] is not None and record.name.split(".")[0] in _ONE_LINE_LOGGERS:
+        err = record.exc_info[1]
+        message, detail = record.getMessage(), _one_line(str(err))
+        record.msg = message if detail and detail in message else f"{message} ({type(err).__name__}: {detail})"
+        record.args, record.exc_info, record.exc_text = None, None, None
+    return True

@@ -183,3 +183,40 @@ def test_sigusr1_prints_every_threads_stack_and_the_command_goes_on(tmp_path):
         err = proc.stderr.read()
     assert "most recent call first" in err and 'in waits_here' in err
     assert err.count("Thread 0x") + err.count("Current thread 0x") >= 2  # every thread, the helper too
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_traceback_logged_by_kafka_python_or_beam_is_one_line_unless_debug(tmp_path, debug):
+    """kafka-python logs a traceback for a socket closed under its reader (it reconnects), Beam for a DoFn setup
+    that raised (the command retries or ends with its own error line): one line each, the traceback with --debug."""
+    script = tmp_path / "logs.py"
+    script.write_text(
+        "import logging\n"
+        "import trajpipe.cli as cli\n"
+        "def logs():\n"
+        "    for name, msg in (('kafka.net.transport', 'Error receiving network data closing socket'),\n"
+        "                      ('apache_beam.runners.common', 'cannot reach Kafka at x')):\n"
+        "        try:\n"
+        "            raise AttributeError(\"'NoneType' object has no attribute 'recv'\") if name[0] == 'k' \\\n"
+        "                else RuntimeError('cannot reach Kafka at x')\n"
+        "        except Exception:\n"
+        "            logging.getLogger(name).exception(msg)\n"
+        "    try:\n"
+        "        raise ValueError('ours')\n"
+        "    except ValueError:\n"
+        "        logging.getLogger('trajpipe.x').exception('our own')\n"
+        "cli.app = logs\n"
+        "cli.main()\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env.pop("TRAJPIPE_DEBUG", None)
+    if debug:
+        env["TRAJPIPE_DEBUG"] = "1"
+    err = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120).stderr
+    lines = [line for line in err.splitlines() if " ERROR " in line]
+    if debug:
+        assert err.count("Traceback (most recent call last)") == 3
+    else:
+        assert err.count("Traceback (most recent call last)") == 1  # our own logger's stays
+        assert lines[0].endswith("kafka.net.transport: Error receiving network data closing socket "
+                                 "(AttributeError: 'NoneType' object has no attribute 'recv')")
+        assert lines[1].endswith("apache_beam.runners.common: cannot reach Kafka at x")  # its error already said
