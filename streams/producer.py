@@ -824,9 +824,10 @@ class EventProducer:
         try:
             producer.close(timeout=0)
         except kafka_errors.KafkaTimeoutError:
-            # Sends not done (a stuck client, _ClientStuck): kafka-python's close() flushes first and raises,
-            # and its __del__ would flush and raise again at exit. Marked closed, it is left to its (daemon)
-            # sender thread; its unfinished sends were failed and spooled by _flush_kafka.
+            # Sends not done: kafka-python's close() flushes first and raises, and its __del__ would flush and
+            # raise again at exit. Marked closed (a racing emit's send then raises IllegalStateError and
+            # spools), it is left to its (daemon) sender thread: its unfinished sends were failed into the
+            # spool (_flush_kafka, a stuck client) or are replays of a spool that is kept whole (_replay).
             producer._closed = True
         except kafka_errors.KafkaError as err:
             log.debug("closing the Kafka producer: %s", err)
