@@ -26,7 +26,7 @@ from kafka import errors as kafka_errors
 from kafka.admin import NewTopic
 
 from streams.config import ConfigError, KafkaConnection, Topics
-from streams.errors import check_kafka, kafka_access_errors
+from streams.errors import KafkaUnavailable, check_kafka, kafka_access_errors
 
 __all__ = [
     "ACL_OPERATIONS",
@@ -81,15 +81,35 @@ def ensure_topics(conn: KafkaConnection, topics: Topics, *, timeout_s: float = 3
 
     Raises:
         TopicMismatchError: a topic exists with fewer partitions than asked.
-        streams.errors.KafkaUnavailable: no broker answered within ``conn.connect_timeout_s``.
+        streams.errors.KafkaUnavailable: no broker answered within ``conn.connect_timeout_s`` (at the
+            start, or after it went away mid-request), or it went away three times.
         streams.errors.KafkaAuthError: the broker refused this client's TLS or SASL credentials.
         streams.errors.KafkaAccessDenied: an ACL does not let this client describe or create the topics.
         kafka.errors.KafkaError: the broker refused to create a topic.
     """
     specs = topic_specs(topics)
-    check_kafka(conn)
-    with kafka_access_errors(conn, what=f"describe/create topics {', '.join(specs)}"):
-        return _ensure(conn, topics, specs, timeout_s)
+    attempt = 0
+    while True:
+        attempt += 1
+        check_kafka(conn)  # waits for a broker that is down (KafkaUnavailable past connect_timeout_s)
+        try:
+            with kafka_access_errors(conn, what=f"describe/create topics {', '.join(specs)}"):
+                return _ensure(conn, topics, specs, timeout_s)
+        except kafka_errors.KafkaError as err:
+            # The broker went away after answering check_kafka (killed, restarting): wait for it and ask
+            # again; a non-retriable answer (a refusal) is final, and so is a broker lost again and again.
+            if not getattr(err, "retriable", False):
+                raise
+            if attempt == _ENSURE_ATTEMPTS:
+                raise KafkaUnavailable(
+                    f"lost Kafka at {conn.bootstrap_servers} {attempt} times while creating the topics "
+                    f"{', '.join(specs)} (last: {type(err).__name__}: {err}): check the broker's health and log"
+                ) from None
+            log.warning("lost Kafka while creating topics (%s: %s); asking again", type(err).__name__, err)
+
+
+#: Times :func:`ensure_topics` asks a broker that went away mid-request before it gives up.
+_ENSURE_ATTEMPTS = 3
 
 
 def _ensure(conn: KafkaConnection, topics: Topics, specs: dict[str, int], timeout_s: float) -> list[str]:
