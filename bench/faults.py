@@ -56,7 +56,6 @@ import random
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -66,6 +65,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from schemas.manifests import commit_log_of, list_dataset_versions, read_dataset_manifests, read_dataset_records
+from streams.broker import free_port
 
 __all__ = ["FaultReport", "run_faults", "main"]
 
@@ -129,32 +129,6 @@ class FaultReport:
     drain_timeouts: dict[str, int] = field(default_factory=dict)
 
 
-def _free_port() -> int:
-    """A free port below the kernel's ephemeral range, for a broker restarted on it again and again.
-
-    A port the kernel hands out (bind to 0) is from the ephemeral range, the one outgoing connections
-    take their source ports from: while the broker is down, any client's connection may take it and
-    the restart fails "port in use" (seen once in `make test`: 890 other tests running beside it).
-    Below that range only listeners bind.
-    """
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(10_000, max(10_001, low))
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _last_json(text: str) -> dict | None:
     for line in reversed(text.strip().splitlines()):
         with contextlib.suppress(ValueError):
@@ -202,7 +176,7 @@ class _Cluster:
         self.vocab_size, self.tiny = vocab_size, tiny
         self.logs = work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
+        self.port = free_port(restartable=True)  # not one a client's connection may take while it is down
         self.broker_dir = work / "broker"
         self.bootstrap = f"127.0.0.1:{self.port}"
         self.env = {**os.environ, "PYTHONPATH": str(REPO), "TRAJPIPE_TOPICS__PARTITIONS": "2",

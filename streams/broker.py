@@ -44,6 +44,7 @@ import importlib.resources
 import json
 import logging
 import os
+import random
 import re
 import shutil
 import signal
@@ -711,9 +712,34 @@ def _port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def free_port(host: str = "127.0.0.1", *, avoid: int = -1) -> int:
-    """A TCP port free on ``host`` right now (the OS picks it; IPv6 for a host with a colon), never ``avoid``."""
+def free_port(host: str = "127.0.0.1", *, avoid: int = -1, restartable: bool = False) -> int:
+    """A TCP port free on ``host`` right now (IPv6 for a host with a colon), never ``avoid``.
+
+    Args:
+        host: the address to bind.
+        avoid: a port not to return.
+        restartable: for a listener stopped and started again on the port (a broker restarted):
+            a port below the kernel's ephemeral range. One the OS picks (bind to 0) is from
+            that range, the one outgoing connections take their source ports from, so while the
+            listener is down any client's connection may take it and the restart fails "port in
+            use" (seen in `make test` and in a test that kills and restarts a broker).
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if restartable:
+        try:
+            low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            low = 32768
+        rng = random.Random()
+        for _ in range(200):
+            port = rng.randrange(10_000, max(10_001, low))
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            if port != avoid:
+                return port
     while True:
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.bind((host, 0))

@@ -72,6 +72,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from streams.broker import free_port
 from streams.config import ConfigError
 from trainer.config import deep_merge, describe_validation_error
 from trajpipe.lifeline import lifeline_env
@@ -307,14 +308,15 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
 
 
 def _free_port(preferred: int | None = None) -> int:
-    for port in ([preferred] if preferred else []) + [0]:
+    """``preferred`` if free, else a new port below the ephemeral range (the loop restarts its broker on it)."""
+    if preferred:
         with socket.socket() as sock:
             try:
-                sock.bind(("127.0.0.1", port))
+                sock.bind(("127.0.0.1", preferred))
+                return preferred
             except OSError:
-                continue
-            return sock.getsockname()[1]
-    raise OSError("no free port")
+                pass
+    return free_port(restartable=True)
 
 
 def _policy_record(model: Path) -> dict[str, Any]:

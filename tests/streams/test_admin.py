@@ -42,11 +42,10 @@ def test_a_broker_killed_while_the_topics_are_created_is_waited_for_and_asked_ag
     are created once it is back. (A fault run's `trajpipe synth` ended with `error: KafkaConnectionError`.)"""
     import signal
 
-    from streams.broker import broker_status, start_broker, stop_broker
+    from streams.broker import broker_status, free_port, start_broker, stop_broker
     from streams.config import KafkaConnection
-    from tests.helpers import free_port
 
-    port, data_dir = free_port(), tmp_path / "broker"
+    port, data_dir = free_port(restartable=True), tmp_path / "broker"
     start_broker(engine="kafka", port=port, data_dir=data_dir)
     lost: list[BaseException] = []
     real = KafkaAdminClient.create_topics

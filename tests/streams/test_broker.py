@@ -65,7 +65,7 @@ def _cli(data_dir: Path, *args: str) -> subprocess.CompletedProcess:
 def test_kafka_cli_lifecycle_and_restart_keeps_messages(tmp_path: Path, topic_name: str) -> None:
     # One test for both, to start Kafka twice rather than three times:
     # CLI start -> status -> produce & consume -> CLI stop, then the API restarts the same data dir.
-    port = free_port()
+    port = free_port(restartable=True)  # restarted on it below
     started = _cli(tmp_path, "start", "--port", str(port))
     try:
         assert started.returncode == 0, started.stderr
@@ -185,3 +185,10 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_a_restartable_port_is_below_the_range_outgoing_connections_take_theirs_from():
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port(restartable=True) for _ in range(20)}
+    assert all(10_000 <= p < low for p in ports) and len(ports) > 1
+    assert all(free_port(restartable=True, avoid=p) != p for p in ports)

@@ -80,7 +80,7 @@ def test_spool_when_unreachable_from_start_then_replay(tansu_broker, topics, tmp
 @pytest.mark.slow
 def test_spool_and_replay_across_kafka_restart(tmp_path):
     """Stop a real Kafka broker mid-stream, keep emitting, restart it: every event arrives once."""
-    port = free_port()
+    port = free_port(restartable=True)
     data_dir = tmp_path / "broker"
     info = start_broker(engine="kafka", port=port, data_dir=data_dir)
     try:
