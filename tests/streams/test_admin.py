@@ -55,13 +55,24 @@ def test_a_broker_killed_while_the_topics_are_created_is_waited_for_and_asked_ag
             return real(self, *args, **kwargs)
         import os
 
-        os.kill(broker_status(data_dir).pid, signal.SIGKILL)  # under the request, as `kill -9` would
+        import socket
+        import time
+
+        pid = broker_status(data_dir).pid
+        os.kill(pid, signal.SIGKILL)  # under the request, as `kill -9` would
         try:
             return real(self, *args, **kwargs)
         except BaseException as err:
             lost.append(err)
             raise
         finally:
+            for _ in range(400):  # its port free again (a JVM takes a moment to die)
+                with socket.socket() as probe:
+                    try:
+                        probe.bind(("127.0.0.1", port))
+                        break
+                    except OSError:
+                        time.sleep(0.05)
             start_broker(engine="kafka", port=port, data_dir=data_dir)  # back before the client asks again
 
     monkeypatch.setattr(KafkaAdminClient, "create_topics", create_on_a_dying_broker)
