@@ -161,6 +161,12 @@ class _Proc:
             os.killpg(self.popen.pid, signal.SIGKILL)
         self.popen.wait()
 
+    def dump_stacks(self) -> None:
+        """Have the running command write every thread's stack to its stderr (SIGUSR1, trajpipe/cli.py)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.popen.pid, signal.SIGUSR1)
+        time.sleep(2.0)
+
     def stdout(self) -> str:
         return self.out_path.read_text(errors="replace")
 
@@ -332,9 +338,7 @@ class _Cluster:
             if done or proc is None or proc.poll() is not None:
                 continue
             self.report.drain_timeouts[role] = self.report.drain_timeouts.get(role, 0) + 1
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.popen.pid, signal.SIGUSR1)
-            time.sleep(2.0)
+            proc.dump_stacks()
             log.warning("%s (%s) still running at the drain deadline; its stacks: %s", role, proc.err_path,
                         proc.stderr_tail(8000))
 
@@ -775,10 +779,8 @@ def _run_once(c: _Cluster, name: str, argv: list[str], timeout_s: float = 600) -
     proc = _Proc(name, argv, c.env, c.logs, c.runs + 1)
     c.runs += 1
     rc = _wait_proc(c, proc, timeout_s)
-    if rc is None:  # still running: its stacks into its stderr first (SIGUSR1, trajpipe/cli.py)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.popen.pid, signal.SIGUSR1)
-        time.sleep(2.0)
+    if rc is None:  # still running: its stacks into its stderr first
+        proc.dump_stacks()
     if rc != 0:
         proc.kill()
         raise RuntimeError(f"{name} failed ({rc}): {proc.stderr_tail()}")
