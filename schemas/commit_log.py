@@ -131,11 +131,13 @@ class CommitLog:
             raise CommitLogError(f"the commit log {self.root} is unreadable: {err}") from err
 
     def _create(self) -> DeltaTable:
+        # No retry: delta-rs retries a create that lost the race for version 0 as version 1 (a second
+        # CREATE TABLE over the first, seen with four writers at once), which shifted every commit by one.
         try:
             create_table_with_add_actions(self.root, _SCHEMA, [], mode="error", partition_by=[],
                                           storage_options=self._options,
                                           commit_properties=CommitProperties(
-                                              custom_metadata={"trajpipe.log": self.app_id}),
+                                              custom_metadata={"trajpipe.log": self.app_id}, max_commit_retries=0),
                                           post_commithook_properties=_HOOKS)
         except DeltaError:  # another writer created it first
             pass
@@ -194,7 +196,7 @@ class CommitLog:
         """The records of commits ``after + 1 ..`` through ``as_of`` (None: the last), read from the log's files.
 
         A reader's path: it reads the commit files (``_delta_log/<v>.json``, table version ``v`` =
-        commit ``v``) through :mod:`schemas.locations`, not through deltalake, so it works in a
+        commit ``v``, or a later version in a log created twice at once before 2026-12-06) through :mod:`schemas.locations`, not through deltalake, so it works in a
         process forked after deltalake was used (the trainer's DataLoader workers: delta-rs' runtime
         does not survive a fork), and reads only the files of commits after ``after``. What it
         returns is what :meth:`Snapshot.records` of a snapshot taken at the same moment returns.
@@ -206,25 +208,34 @@ class CommitLog:
         log_dir = loc.join(self.root, "_delta_log")
         versions = sorted(int(m.group(1)) for p in loc.list_files(log_dir, suffix=".json")
                           if (m := _COMMIT_FILE.fullmatch(p.rsplit("/", 1)[-1])))
-        head = versions[-1] if versions else 0
-        if as_of is not None:
-            if not 0 <= as_of <= head:
-                raise CommitLogError(f"the commit log {self.root} has commits 1..{head}, not {as_of}")
-            head = as_of
         if versions != list(range(len(versions))):
             raise CommitLogError(f"the commit log {self.root} has a gap in its commit files ({versions[:5]}...)")
-        out = []
-        for v in range(after + 1, head + 1):
+        # Commit n is table version n, or a later one where the log holds a second CREATE TABLE (two
+        # writers created it at once before _create's fix): read on from version after + 1.
+        got: dict[int, bytes] = {}
+        for v in versions[after + 1:]:
             path = loc.join(log_dir, f"{v:020d}.json")
             try:
                 actions = [json.loads(line) for line in loc.read_bytes(path).splitlines() if line.strip()]
             except (OSError, ValueError) as err:
                 raise CommitLogError(f"the commit log {self.root}: commit file {path} is unreadable: {err}") from err
             info = next((a["commitInfo"] for a in actions if "commitInfo" in a), {})
+            if COMMIT_KEY not in info and info.get("operation") == "CREATE TABLE":
+                continue
             txn = next((a["txn"] for a in actions if a.get("txn", {}).get("appId") == self.app_id), {})
-            if info.get(COMMIT_KEY) != str(v) or RECORD_KEY not in info or txn.get("version") != v:
-                raise CommitLogError(f"the commit log {self.root} lacks the record of commit {v} (in {path})")
-            out.append(info[RECORD_KEY].encode())
+            n = int(info[COMMIT_KEY]) if str(info.get(COMMIT_KEY, "")).isdigit() else None
+            if n is None or RECORD_KEY not in info or txn.get("version") != n or n in got:
+                raise CommitLogError(f"the commit log {self.root} lacks the record of a commit (in {path})")
+            got[n] = info[RECORD_KEY].encode()
+        head = max(got, default=after)
+        if as_of is not None:
+            if not 0 <= as_of <= head:
+                raise CommitLogError(f"the commit log {self.root} has commits 1..{head}, not {as_of}")
+            head = as_of
+        missing = [n for n in range(after + 1, head + 1) if n not in got]
+        if missing:
+            raise CommitLogError(f"the commit log {self.root} lacks the record of commit {missing[0]}")
+        out = [got[n] for n in range(after + 1, head + 1)]
         return out
 
 

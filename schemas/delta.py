@@ -148,9 +148,13 @@ def add_files(table_root: Path | str, files: Sequence[tuple[str, int]], *, app_i
     try:
         if dt is None:
             try:
+                # no retry: delta-rs retries a create that lost the race for version 0 as a second CREATE
+                # TABLE at version 1 (schemas/commit_log.py, tests/storage/test_commit_log.py)
                 create_table_with_add_actions(table_root, schema, actions, mode="error", partition_by=cols,
-                                              storage_options=options, commit_properties=props,
-                                              post_commithook_properties=_HOOKS)
+                                              storage_options=options, post_commithook_properties=_HOOKS,
+                                              commit_properties=CommitProperties(
+                                                  custom_metadata=dict(metadata), max_commit_retries=0,
+                                                  app_transactions=[Transaction(app_id=app_id, version=version)]))
                 return 0
             except DeltaError:  # another writer created it first: append like any later commit
                 dt = open_table(table_root)

@@ -6,13 +6,17 @@ processes committing as fast as they can to one log.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import multiprocessing
 import os
+import shutil
+import time
 
 import pytest
 from deltalake import DeltaTable
 
+from schemas import locations as loc
 from schemas.commit_log import CommitLog, CommitLogError, CommitTaken
 
 RACE_COMMITS = 15
@@ -113,6 +117,61 @@ def test_a_snapshot_after_a_rivals_commit_plans_the_next_number(tmp_path):
         mine.commit(b"mine")  # the log did not exist when `mine` was read; the rival created it and made 1
     again = log.snapshot()
     assert again.head == 1 and again.commit(b"mine") == 2
+
+
+def _create_and_commit(root: str, env: dict[str, str], writer: int, at: float) -> str:
+    os.environ.update(env)
+    while time.time() < at:  # the writers start together
+        pass
+    try:
+        return str(CommitLog(root, app_id="trajpipe.c").snapshot().commit(b'{"writer": %d}' % writer))
+    except CommitTaken:
+        return "taken"
+
+
+def _creates(log: CommitLog) -> int:
+    names = loc.list_files(loc.join(log.root, "_delta_log"), suffix=".json")
+    return sum(b'"operation":"CREATE TABLE"' in loc.read_bytes(name) for name in names)
+
+
+@pytest.mark.slow
+def test_writers_creating_the_log_at_once_create_it_once(tmp_path, kind, maybe_s3):
+    """Four processes make the first commit of a new log at the same moment, several times: one creates the
+    table and one makes commit 1. delta-rs retried a create that lost the race for version 0 as version 1 (a
+    second CREATE TABLE: 8 rounds of 10 here), which moved commit 1 to version 2, and ``read_records`` (version v
+    = commit v) failed 'lacks the record of commit 1' (seen once in CI on SeaweedFS)."""
+    env = maybe_s3.env() if maybe_s3 is not None else {}
+    rounds = 6 if kind == "local" else 3
+    with concurrent.futures.ProcessPoolExecutor(4, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_create_and_commit, [_where(tmp_path, maybe_s3, kind, f"warm-{i}") for i in range(4)],
+                      [env] * 4, range(4), [0.0] * 4))  # the workers have started and imported deltalake
+        for r in range(rounds):
+            root = _where(tmp_path, maybe_s3, kind, f"log-created-{r}")
+            at = time.time() + 0.3
+            got = list(pool.map(_create_and_commit, [root] * 4, [env] * 4, range(4), [at] * 4))
+            # a worker done early may take a second writer's turn after commit 1: it makes commit 2
+            made = {int(n): w for w, n in enumerate(got) if n != "taken"}
+            assert sorted(made) == list(range(1, len(made) + 1)) and 1 in made, got
+            log = CommitLog(root, app_id="trajpipe.c")
+            assert _creates(log) == 1
+            assert log.read_records() == log.snapshot().records() == [b'{"writer": %d}' % made[n] for n in sorted(made)]
+
+
+def test_a_log_created_twice_before_the_fix_reads_the_same_both_ways(tmp_path):
+    """A log with a second CREATE TABLE at version 1 (what the race above made before ``_create`` stopped
+    retrying): commit n is at version n + 1, and both readers find every record by its commit number."""
+    log = CommitLog(tmp_path / "log-twice", app_id="trajpipe.t")
+    snap = log.snapshot()
+    snap.commit(b"one"), snap.commit(b"two")
+    d = tmp_path / "log-twice" / "_delta_log"
+    names = [d / f"{v:020d}.json" for v in range(4)]
+    names[2].rename(names[3]), names[1].rename(names[2])
+    shutil.copyfile(names[0], names[1])
+    assert _creates(log) == 2
+    assert log.read_records() == log.snapshot().records() == [b"one", b"two"]
+    assert log.read_records(after=1) == log.snapshot().records(after=1) == [b"two"]
+    assert log.read_records(as_of=1) == log.snapshot(as_of=1).records() == [b"one"]
+    assert log.snapshot().commit(b"three") == 3 and log.read_records(after=2) == [b"three"]
 
 
 def _race(root: str, app_id: str, writer: str, env: dict[str, str], ready, start, results) -> None:
