@@ -13,6 +13,10 @@ which reads every message format (v0-v2), decompresses gzip/snappy/lz4/zstd
 and checks CRCs in C. ``make bench`` records the difference
 (``fast_fetch_events_per_s`` beside ``raw_consume_events_per_s``).
 
+The reader's plain-TCP connections receive up to 1 MiB a ``recv`` call (:func:`_recv_large`):
+kafka-python 3.0 reads a socket 4 KiB at a time, a Python call and a ``bytes`` each, then joins
+them; for 100k events (~200 MB) that was a third of the reader's CPU time (0.67 → 0.42 CPU-s).
+
 Semantics match :func:`streams.consumer.read_range`: read-uncommitted
 isolation (what the project's consumers use), control batches skipped,
 offsets left by compaction or transaction markers stepped over by the
@@ -37,6 +41,7 @@ Examples:
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -47,6 +52,7 @@ import msgspec
 from aiokafka.record.memory_records import MemoryRecords
 from kafka import TopicPartition
 from kafka.net.compat import KafkaNetClient
+from kafka.net.transport import KafkaTCPTransport
 from kafka.protocol.consumer import FetchRequest
 
 from streams.config import KafkaConnection
@@ -72,6 +78,8 @@ _READ_UNCOMMITTED = 0
 _MAX_FETCH_VERSION = 12
 # Most bytes of one response frame beyond the fetch limits (headers of many partitions).
 _FRAME_SLACK = 1 << 20
+# Most bytes one recv() of the reader's connections takes (kafka-python's own: 4 KiB).
+_RECV_BYTES = 1 << 20
 
 
 class FetchError(RuntimeError):
@@ -176,6 +184,7 @@ class PartitionReader:
         # within 100 ms of the last one (the first fetch's, right after bootstrap's) waits out the rest of
         # the 100 ms: ~0.1 s per reader for nothing. Broker-down backoff is separate (KIP-580, unchanged).
         self._client.cluster.config["retry_backoff_ms"] = METADATA_RETRY_BACKOFF_MS
+        _receive_large(self._client)
         self._topics: set[str] = set()
 
     def __enter__(self) -> "PartitionReader":
@@ -288,6 +297,52 @@ class PartitionReader:
         next_offset = max(next_offset, floor)  # never behind what was read, whatever the batch headers say
         return PartitionChunk(topic=topic, partition=partition, offsets=offsets, keys=keys, values=values,
                               timestamps_ms=stamps, next_offset=next_offset, high_watermark=data.high_watermark)
+
+
+def _receive_large(client: KafkaNetClient) -> None:
+    """Make ``client``'s plain-TCP connections receive with :func:`_recv_large` (TLS ones are left as they are).
+
+    kafka-python 3.0.12 builds each connection's transport in ``KafkaConnectionManager._build_transport``;
+    the instance's coroutine is wrapped so that every transport it builds (reconnects too) gets the method.
+    A kafka-python without that hook keeps its own receive (slower, same bytes).
+    """
+    manager = getattr(client, "_manager", None)
+    build = getattr(manager, "_build_transport", None)
+    if build is None:
+        log.debug("kafka-python has no _build_transport hook: the reader receives 4 KiB a call")
+        return
+
+    async def _build_transport(*args: Any, **kwargs: Any) -> Any:
+        transport = await build(*args, **kwargs)
+        if type(transport) is KafkaTCPTransport:
+            transport._sock_recv = functools.partial(_recv_large, transport)
+        return transport
+
+    manager._build_transport = _build_transport
+
+
+def _recv_large(transport: KafkaTCPTransport) -> tuple[bytes, Exception | None]:
+    """kafka-python's ``KafkaTCPTransport._sock_recv`` with ``recv(_RECV_BYTES)`` instead of ``recv(4096)``.
+
+    Reads until the non-blocking socket has nothing more; returns ``(data, error)`` as the original does
+    (an error: the peer closed, or the socket failed; kafka-python then aborts the connection).
+    """
+    received = []
+    err = None
+    while True:
+        try:
+            data = transport._sock.recv(_RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            break
+        except Exception as e:  # noqa: BLE001 - reported to kafka-python as its own code does
+            log.debug("%s: error receiving network data: %s", transport, e)
+            err = Errors.KafkaConnectionError(e)
+            break
+        if not data:
+            err = Errors.KafkaConnectionError("socket disconnected")
+            break
+        received.append(data)
+    return (received[0] if len(received) == 1 else b"".join(received)), err
 
 
 def read_partition(reader: PartitionReader, r: OffsetRange, *, stall_timeout_s: float = 30.0) -> Iterator[PartitionChunk]:

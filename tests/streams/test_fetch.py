@@ -47,6 +47,36 @@ def test_reader_returns_what_a_consumer_reads(conn, topics, compression):
     assert _reader_view(conn, ranges) == expected
 
 
+def test_reader_receives_large_fetches_in_few_calls(conn, topics, monkeypatch):
+    """The reader's connections take up to 1 MiB a recv (kafka-python's own take 4 KiB: ~10^4 Python calls for
+    the ~40 MB here); the records are the consumer's, byte for byte."""
+    import os
+
+    import streams.fetch as fetch
+
+    calls, received = [], []
+
+    def counting(transport):
+        data, err = recv(transport)
+        calls.append(len(data)), received.append(err)
+        return data, err
+
+    recv = fetch._recv_large
+    monkeypatch.setattr(fetch, "_recv_large", counting)
+    ensure_topics(conn, topics)
+    producer = KafkaProducer(**conn.client_kwargs(), linger_ms=20, batch_size=1 << 20, max_request_size=8 << 20)
+    for i in range(400):
+        producer.send(topics.events, key=b"one-key", value=os.urandom(100_000))  # one partition, incompressible
+    producer.flush()
+    producer.close()
+    ranges = ranges_from(topic=topics.events, start={}, end=end_offsets(conn, topics.events))
+    expected = _consumer_view(conn, ranges)
+    assert len(expected) == 400
+    assert _reader_view(conn, ranges) == expected
+    assert sum(calls) >= 40_000_000 and len(calls) < 40_000_000 / 65_536, (len(calls), sum(calls))
+    assert received.count(None) == len(received)  # no error on the way
+
+
 def test_reader_slices_start_and_end_inside_batches(conn, topics):
     ensure_topics(conn, topics)
     _produce_raw(conn, topics.events, 300, compression_type="lz4")  # multi-record batches
