@@ -253,12 +253,15 @@ def _chain(token: str, blob: bytes) -> Sequence[ChainStage]:
     return chain
 
 
+_GLOBAL_WINDOWS = (GlobalWindow(),)  # one window, its end: both immutable, shared by every value wrapped
+_GLOBAL_END = _GLOBAL_WINDOWS[0].max_timestamp()
+
+
 def in_global_window(out: Any) -> Any:
     """``out`` (a value or a ``TaggedOutput``) in the global window, as a ``finish_bundle`` must emit it."""
-    window = GlobalWindow()
     if isinstance(out, beam.pvalue.TaggedOutput):
-        return beam.pvalue.TaggedOutput(out.tag, WindowedValue(out.value, window.max_timestamp(), [window]))
-    return WindowedValue(out, window.max_timestamp(), [window])
+        return beam.pvalue.TaggedOutput(out.tag, WindowedValue(out.value, _GLOBAL_END, _GLOBAL_WINDOWS))
+    return WindowedValue(out, _GLOBAL_END, _GLOBAL_WINDOWS)
 
 
 def _unwrap(value: Any) -> Any:
