@@ -273,3 +273,30 @@ def test_a_missing_held_state_file_is_an_error_naming_the_commit(groups4, tmp_pa
     (out / f"{m.held_parts[0]}.steps.arrow").unlink()
     with pytest.raises(CommitError, match="commit 1 .* held-group state that is missing"):
         load_held_state(layout, [m])
+
+
+def test_group_stats_map_is_weighed_by_its_entries_in_beams_side_input_cache(monkeypatch):
+    """Beam's state cache weighs a side input by walking every object in it; the run's group statistics are
+    weighed by their entry count instead, within a factor of two of the walk, and still pickle whole."""
+    import pickle
+
+    import objsize
+    from apache_beam.runners.worker import statecache
+
+    from pipelines.groups import GroupStatsMap
+
+    stats = GroupStatsMap({
+        ("code", f"task-group-{i:06d}", 3): GroupStats(size=4, members=(0, 1, 2, 3), episodes=4,
+                                                       returns=RunningStats(n=4, mean=0.5, m2=0.1),
+                                                       advantages=RunningStats(n=4, mean=0.0, m2=0.3))
+        for i in range(2_500)})
+    visited = []
+    referents = statecache._get_referents_func
+    monkeypatch.setattr(statecache, "_get_referents_func", lambda *objs: visited.extend(objs) or referents(*objs))
+    weighed = statecache.get_deep_size([stats])
+    assert len(visited) < 10, len(visited)  # the walk: every key, GroupStats and RunningStats (~25,000 objects)
+    walked = objsize.get_deep_size([dict(stats)])
+    assert walked / 2 <= weighed <= walked * 2, (weighed, walked)
+    assert statecache.get_deep_size([GroupStatsMap()]) < 1_000
+    back = pickle.loads(pickle.dumps(stats))
+    assert type(back) is GroupStatsMap and back == stats
