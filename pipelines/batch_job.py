@@ -67,7 +67,7 @@ from pipelines.committed import CommittedView
 from pipelines.counts import COUNTS_TAG, StageCounts, read_staged_counts
 from pipelines.evaluations import EVAL_TAG, SplitEvaluations
 from pipelines.feedback import FEEDBACK_TAG, WriteFeedback, load_correction_tokenizer, stage_corrections
-from pipelines.forked import ChainStage, close_pools, output_tag, per_task, usable_cpus
+from pipelines.forked import ChainStage, close_pools, output_tag, per_task, prestart_scope, usable_cpus
 from pipelines.frames import (
     CLOCK_TAG,
     FRAMES_TAG,
@@ -164,10 +164,12 @@ def run_batch(*, out: str | Path, recipe: Recipe, input: BatchInput | testhooks.
     with commit_lock(layout, waiting=lambda: _LOG.warning(
             "another run is committing %s in %s; waiting for its commit lock", recipe.version, out)):
         try:
-            return _run_batch_locked(out=out, recipe=recipe, input=input, **kwargs)
+            with prestart_scope():  # forked read tasks may start while the pipeline is built (pipelines/forked.py)
+                return _run_batch_locked(out=out, recipe=recipe, input=input, **kwargs)
         except _InPlaceCollision as err:
             _LOG.warning("%s; the micro-batch is made again through the shuffle (nothing was committed)", err)
-            return _run_batch_locked(out=out, recipe=recipe, input=input, **kwargs, in_place=False)
+            with prestart_scope():
+                return _run_batch_locked(out=out, recipe=recipe, input=input, **kwargs, in_place=False)
 
 
 class _InPlaceCollision(Exception):

@@ -57,6 +57,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import os
@@ -179,6 +180,61 @@ def close_pools() -> None:
         _POOLS.clear()
     for pool in pools:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+#: Tasks submitted while the pipeline was still being built (:func:`prestart_scope`): token → ``(elements, future)``
+#: in submission order, taken by the running ParDo (:meth:`_ForkedChainFn._submit`) when its task is the same.
+_PRESTARTED: dict[str, deque[tuple[list[Any], Future]]] = {}
+_PRESTART_SCOPE = threading.local()
+
+
+@contextlib.contextmanager
+def prestart_scope() -> Iterator[None]:
+    """Within it, a :class:`ForkedChain` given its elements (``prestart=``) submits its first tasks at once.
+
+    A batch job knows its Kafka ranges before it builds the pipeline; Beam then spends ~0.15 s building,
+    translating and running the small stages before the read, on one core. Started at ``expand``, the
+    forked read tasks use the other core meanwhile, and the ParDo, when it runs, takes their futures
+    instead of submitting the same tasks. At the scope's end, tasks no ParDo took (the pipeline failed
+    before it, or its elements came otherwise) are cancelled, or waited for when already running, so
+    nothing they write appears after the run is over.
+    """
+    tokens: list[str] = []
+    outer = getattr(_PRESTART_SCOPE, "tokens", None)
+    _PRESTART_SCOPE.tokens = tokens
+    try:
+        yield
+    finally:
+        _PRESTART_SCOPE.tokens = outer
+        for token in tokens:
+            _discard_prestarted(token)
+
+
+def _discard_prestarted(token: str) -> None:
+    """Forget ``token``'s prestarted tasks no ParDo took: cancelled if queued, waited for if running."""
+    with _POOLS_LOCK:
+        entries = _PRESTARTED.pop(token, None)
+    futures = [f for _elements, f in entries or ()]
+    for f in futures:
+        f.cancel()
+    for f in futures:
+        if not f.cancelled():
+            try:
+                f.result()
+            except BaseException:  # noqa: BLE001 - its run has ended or failed already; only its end matters
+                pass
+
+
+def _take_prestarted(token: str, task: list[Any]) -> Future | None:
+    """The future of ``token``'s next prestarted task if it is ``task``; else None (and any others are discarded)."""
+    with _POOLS_LOCK:
+        entries = _PRESTARTED.get(token)
+        if not entries:
+            return None
+        if entries[0][0] == task:
+            return entries.popleft()[1]
+    _discard_prestarted(token)  # elements came in another order or grouping: run them as they come
+    return None
 
 
 def worker_pids() -> list[int]:
@@ -319,11 +375,28 @@ class _ForkedChainFn(beam.DoFn):
         self._per_task = per_task
         self._pool: ProcessPoolExecutor | None = None
         self._futures: deque[Future] = deque()
+        self._prestarted: str | None = None  # the token of the tasks :meth:`prestart` submitted
+
+    def prestart(self, elements: Sequence[Any]) -> str:
+        """Submit the first tasks of ``elements`` (those the ParDo will get) now; returns their token."""
+        for name in LAZY_IMPORTS:
+            importlib.import_module(name)
+        self._token, self._blob = uuid.uuid4().hex, pickler.dumps(self._chain)
+        self._prestarted = self._token
+        pool = _pool(self._workers)
+        elements = list(elements)
+        tasks = [elements[i:i + self._per_task] for i in range(0, len(elements), self._per_task)]
+        entries = deque((task, pool.submit(_work, self._token, self._blob, task)) for task in tasks[:self._in_flight])
+        with _POOLS_LOCK:
+            _PRESTARTED[self._token] = entries
+        return self._token
 
     def setup(self) -> None:
         for name in LAZY_IMPORTS:  # once here, not once in every forked worker
             importlib.import_module(name)
-        if self._workers > 1:  # the workers set up their own copies
+        if self._prestarted is not None:  # token and chain pickled by prestart (this is Beam's copy of the DoFn)
+            pass
+        elif self._workers > 1:  # the workers set up their own copies
             self._token, self._blob = uuid.uuid4().hex, pickler.dumps(self._chain)
         else:
             for stage in self._chain:
@@ -359,7 +432,8 @@ class _ForkedChainFn(beam.DoFn):
         if self._pool is None:  # one worker: the task runs here, its metrics straight into the bundle's
             yield from self._emit(_run_chain(self._chain, task), windowed=windowed)
         else:
-            self._futures.append(self._pool.submit(_work, self._token, self._blob, task))
+            future = _take_prestarted(self._prestarted, task) if self._prestarted is not None else None
+            self._futures.append(future or self._pool.submit(_work, self._token, self._blob, task))
 
     def teardown(self) -> None:
         self._close()
@@ -381,6 +455,8 @@ class _ForkedChainFn(beam.DoFn):
 
     def _close(self) -> None:
         """Let go of the pool: kept when the bundle finished, shut down with tasks still in it (it failed)."""
+        if self._prestarted is not None and self._futures:  # failed: prestarted tasks not taken end too
+            _discard_prestarted(self._prestarted)
         if self._pool is not None:
             if self._futures:  # the bundle failed: its other tasks must not go on writing
                 for f in self._futures:
@@ -421,11 +497,15 @@ class ForkedChain(beam.PTransform):
     bundles: fewer row parts and partial statistics; more: better balance);
     ``in_flight`` tasks at most are submitted and not yet emitted (it bounds the
     driver's memory). ``grouped``: the elements are a GroupByKey's ``(key, values)``
-    (the values are listed to be pickled). See the module docstring for when it fits.
+    (the values are listed to be pickled). ``prestart``: the elements the ParDo will get, when they are
+    known as the pipeline is built (a ``beam.Create``); within :func:`prestart_scope` its first
+    ``in_flight`` tasks are submitted at ``expand``, not when the ParDo runs. See the module docstring
+    for when it fits.
     """
 
     def __init__(self, chain: Sequence[ChainStage], *, workers: int, in_flight: int | None = None,
-                 grouped: bool = False, per_task: int = 1, output_type: Any = None) -> None:
+                 grouped: bool = False, per_task: int = 1, output_type: Any = None,
+                 prestart: Sequence[Any] | None = None) -> None:
         super().__init__()
         if workers < 1 or per_task < 1:
             raise ValueError(f"`workers` and `per_task` must be >= 1, got {workers} and {per_task}")
@@ -433,11 +513,15 @@ class ForkedChain(beam.PTransform):
         self._chain, self._workers = list(chain), workers
         self._in_flight = in_flight or 2 * workers
         self._type, self._grouped = output_type, grouped
+        self._prestart = None if prestart is None else list(prestart)
 
     def expand(self, pcoll):
         tags = [output_tag(s.name, t) for s in self._chain for t in s.tags]
-        pardo = beam.ParDo(_ForkedChainFn(self._chain, self._workers, self._in_flight, self._grouped,
-                                            self._per_task))
+        fn = _ForkedChainFn(self._chain, self._workers, self._in_flight, self._grouped, self._per_task)
+        scope = getattr(_PRESTART_SCOPE, "tokens", None)
+        if self._prestart and self._workers > 1 and not self._grouped and scope is not None:
+            scope.append(fn.prestart(self._prestart))
+        pardo = beam.ParDo(fn)
         if self._type is not None:
             pardo = pardo.with_output_types(self._type)
         return pcoll | pardo.with_outputs(*tags, main="main")

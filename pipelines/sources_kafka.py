@@ -445,7 +445,7 @@ class ReadKafkaRange(beam.PTransform):
             return (pbegin
                     | "PartitionRanges" >> beam.Create(self.slices, reshuffle=False)
                     | "ReadInWorkers" >> ForkedChain([ChainStage("read", read), *self._downstream],
-                                                     workers=self._workers))
+                                                     workers=self._workers, prestart=self.slices))
         return (
             pbegin
             | "PartitionRanges" >> beam.Create(self.slices, reshuffle=False)

@@ -269,3 +269,78 @@ def test_a_loop_keeps_its_workers_for_a_short_wait_and_ends_them_before_a_long_o
     ((seconds, pids),) = waits
     assert seconds == loop_s
     assert (len(pids) == 2) if kept else (pids == [])
+
+
+class _Slow(beam.DoFn):
+    """x → x², after a pause; x = -2 raises; each element leaves a file in ``where`` (what ran, and when)."""
+
+    def __init__(self, where: str) -> None:
+        self._where = where
+
+    def process(self, x):
+        import time
+
+        time.sleep(0.2)
+        if x == -2:
+            raise ValueError("value -2 is not allowed")
+        with open(os.path.join(self._where, f"{x}.done"), "w") as f:
+            f.write(str(os.getpid()))
+        yield x * x
+
+
+def _build(where: str, elements: list[int], prestart: list[int] | None):
+    p = beam.Pipeline(runner=FnApiRunner())
+    out = (p | beam.Create(elements, reshuffle=False)
+           | ForkedChain([ChainStage("slow", _Slow(where))], workers=2, prestart=prestart))
+    _COLLECTED.clear()
+    out.main | beam.Map(_collect, "main")
+    return p
+
+
+def test_prestarted_tasks_run_while_the_pipeline_is_built_and_are_taken_by_the_pardo(tmp_path):
+    elements = [1, 2, 3, 4, 5]
+    with forked_module.prestart_scope():
+        p = _build(str(tmp_path), elements, prestart=elements)
+        pending = dict(forked_module._PRESTARTED)
+        assert len(pending) == 1 and [t for t, _f in next(iter(pending.values()))] == [[1], [2], [3], [4]]  # in_flight 4
+        next(iter(pending.values()))[0][1].result(timeout=60)  # the first task ran before p.run()
+        assert (tmp_path / "1.done").exists()
+        p.run().wait_until_finish()
+        assert not any(forked_module._PRESTARTED.values())  # all four taken, none run twice
+    assert sorted(_COLLECTED["main"]) == [1, 4, 9, 16, 25]
+    assert sorted(f.name for f in tmp_path.iterdir()) == [f"{x}.done" for x in elements]
+
+
+def test_prestart_outside_a_scope_or_with_other_elements_runs_the_elements_the_pardo_gets(tmp_path):
+    _build(str(tmp_path / "none"), [1, 2], prestart=[1, 2])  # no scope: nothing starts at expand
+    assert not forked_module._PRESTARTED
+    (tmp_path / "other").mkdir()
+    with forked_module.prestart_scope():
+        p = _build(str(tmp_path / "other"), [7, 8], prestart=[5, 6])  # not what the ParDo gets
+        p.run().wait_until_finish()
+        assert not forked_module._PRESTARTED  # discarded at the first task that differed
+    assert sorted(_COLLECTED["main"]) == [49, 64]
+
+
+def test_prestarted_tasks_no_pardo_took_are_ended_with_the_scope(tmp_path):
+    """A pipeline that fails before its ParDo runs (or is never run): its prestarted tasks are cancelled or
+    waited for at the scope's end; nothing they do happens after it."""
+    with pytest.raises(RuntimeError, match="construction failed"):
+        with forked_module.prestart_scope():
+            _build(str(tmp_path), [1, 2, 3, 4, 5, 6], prestart=[1, 2, 3, 4, 5, 6])
+            raise RuntimeError("construction failed after the read")
+    assert not forked_module._PRESTARTED
+    done = sorted(f.name for f in tmp_path.iterdir())
+    import time
+
+    time.sleep(0.5)
+    assert sorted(f.name for f in tmp_path.iterdir()) == done  # no task still at work
+    assert len(done) <= 4  # the fifth and sixth were never submitted
+
+
+def test_a_prestarted_task_that_fails_fails_the_run_and_the_rest_are_ended(tmp_path):
+    with forked_module.prestart_scope():
+        p = _build(str(tmp_path), [1, -2, 3, 4], prestart=[1, -2, 3, 4])
+        with pytest.raises(Exception, match="value -2 is not allowed"):
+            p.run().wait_until_finish()
+        assert not any(forked_module._PRESTARTED.values())
