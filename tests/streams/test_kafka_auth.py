@@ -30,7 +30,12 @@ def _events(n: int) -> list[EpisodeStarted]:
                            task_id="t", task_spec="{}") for i in range(n)]
 
 
-def test_acl_user_produces_and_reads_over_sasl_ssl(kafka_auth_broker, topic_name, tmp_path):
+def test_acl_user_produces_and_reads_over_sasl_ssl(kafka_auth_broker, topic_name, tmp_path, monkeypatch):
+    import streams.fetch as fetch
+
+    received = []
+    recv = fetch._recv_large
+    monkeypatch.setattr(fetch, "_recv_large", lambda transport: received.append(recv(transport)) or received[-1])
     info = kafka_auth_broker.info
     assert broker_status(info.data_dir) == info and info.auth == "sasl-ssl"
     auth_dir = info.data_dir / "auth"
@@ -50,6 +55,7 @@ def test_acl_user_produces_and_reads_over_sasl_ssl(kafka_auth_broker, topic_name
     assert sum(len(batch) for batch in read_range(conn, ranges)) == 5  # kafka-python's consumer
     with PartitionReader(conn) as reader:  # the fetch path (kafka-python's connection, our Fetch requests)
         assert sum(len(c) for r in ranges for c in read_partition(reader, r)) == 5
+    assert received and all(err is None for _data, err in received)  # its TLS connection, with 1 MiB recvs
 
 
 def test_plaintext_and_unverified_tls_clients_are_refused(kafka_auth_broker):
