@@ -221,8 +221,8 @@ def _discard_prestarted(token: str) -> None:
         if not f.cancelled():
             try:
                 f.result()
-            except BaseException:  # noqa: BLE001 - its run has ended or failed already; only its end matters
-                pass
+            except Exception:  # noqa: BLE001 - its run has ended or failed already; only its end matters (a
+                pass  # second Ctrl-C while waiting still ends the wait)
 
 
 def _take_prestarted(token: str, task: list[Any]) -> Future | None:
