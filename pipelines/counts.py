@@ -4,8 +4,8 @@ Beam metrics are for watching a job; whether a runner reports *committed*
 metrics at all is up to the runner (Dataflow does, some portable runners do
 not, and a metric bumped by the last bundle is not always reported before the
 job ends). A commit's counts must not depend on that, so every DoFn that
-counts an event outcome keeps its counts twice: as a Beam counter (live
-monitoring, unchanged names ``pipeline/...``) and in a :class:`BundleCounts`,
+counts an event outcome keeps its counts twice: as a Beam counter (for
+monitoring, unchanged names ``pipeline/...``, added at each bundle's end) and in a :class:`BundleCounts`,
 which leaves one ``{name: n}`` dict per bundle on the DoFn's ``counts``
 output (:data:`COUNTS_TAG`) from ``finish_bundle``. The runner keeps the
 outputs of the bundles it commits and drops those of failed attempts, so the
@@ -58,7 +58,8 @@ class _Slot:
         self._owner, self._name = owner, name
 
     def inc(self, n: int = 1) -> None:
-        self._owner.inc(self._name, n)
+        if n:
+            self._owner._n[self._name] += n
 
 
 class BundleCounts:
@@ -66,7 +67,12 @@ class BundleCounts:
 
     ``counts[name].inc(n)`` or ``counts.inc(name, n)``; :meth:`output` from
     ``finish_bundle`` (or :meth:`emit` from ``process`` of a single-element
-    step) puts the bundle's dict on :data:`COUNTS_TAG` and starts a new one.
+    step) puts the bundle's dict on :data:`COUNTS_TAG`, adds it to the Beam
+    counters, and starts a new one. The counters get a bundle's counts at its
+    end, once per name, not at each ``inc``: a Beam counter's ``inc`` looks up
+    the bundle's metrics container each time (~1.5 us; ~2 % of a forked Kafka
+    read task, a few per episode), and the runner reports a bundle's metrics
+    when it ends anyway.
     """
 
     def __init__(self, names: Iterable[str]) -> None:
@@ -79,22 +85,31 @@ class BundleCounts:
         return _Slot(self, name)
 
     def inc(self, name: str, n: int = 1) -> None:
+        if name not in self._metrics:
+            raise KeyError(f"no counter {name!r}; known: {sorted(self._metrics)}")
         if n:
-            self._metrics[name].inc(n)
             self._n[name] += n
+
+    def _take(self) -> dict[str, int]:
+        """The counts so far, added to the Beam counters; the next ones start from nothing."""
+        n, self._n = self._n, Counter()
+        for name, k in n.items():
+            if k:
+                self._metrics[name].inc(k)
+        return {name: k for name, k in n.items() if k}
 
     def emit(self) -> Iterator[beam.pvalue.TaggedOutput]:
         """The counts so far on :data:`COUNTS_TAG` (from ``process``), then start again."""
-        if self._n:
-            yield beam.pvalue.TaggedOutput(COUNTS_TAG, dict(self._n))
-        self._n = Counter()
+        n = self._take()
+        if n:
+            yield beam.pvalue.TaggedOutput(COUNTS_TAG, n)
 
     def output(self) -> Iterator[beam.pvalue.TaggedOutput]:
         """The bundle's counts on :data:`COUNTS_TAG` (from ``finish_bundle``: global window), then start again."""
-        if self._n:
+        n = self._take()
+        if n:
             window = GlobalWindow()
-            yield beam.pvalue.TaggedOutput(COUNTS_TAG, WindowedValue(dict(self._n), window.max_timestamp(), [window]))
-        self._n = Counter()
+            yield beam.pvalue.TaggedOutput(COUNTS_TAG, WindowedValue(n, window.max_timestamp(), [window]))
 
 
 def sum_counts(dicts: Iterable[Mapping[str, int]]) -> dict[str, int]:
