@@ -64,14 +64,15 @@ from pipelines.groups import (
 )
 from pipelines.normalize import STATS_TAG, RunningStats, normalize_tables
 from pipelines.recipes import Recipe
-from pipelines.rewards import step_passed, verification_score
+from pipelines.rewards import step_passed
 from pipelines.types import METRICS_NAMESPACE, Episode, GroupKey
-from pipelines.verify import step_disagreements
+from pipelines.verify import DATA_QUALITY_PREFIX, step_disagreements
 from schemas.arrow import arrow_schema_for, events_to_table
 from schemas.datasets import (
     EvaluationRow,
     StepRow,
     TrajectoryRow,
+    Verification,
     context_tokens_of,
     evaluation_file_schema,
     step_file_schema,
@@ -87,6 +88,7 @@ __all__ = [
     "episode_rows",
     "trajectory_row",
     "RowsBuffer",
+    "step_figures",
     "episodes_to_tables",
     "rows_to_table",
     "final_path",
@@ -146,18 +148,22 @@ def _recipe_ids(recipe: Recipe) -> tuple[str, str]:
     return _LAST_RECIPE[1]
 
 
-def trajectory_row(episode: Episode, recipe: Recipe, *, disagreements: int | None = None) -> TrajectoryRow:
+def trajectory_row(episode: Episode, recipe: Recipe, *, disagreements: int | None = None,
+                   steps_passed: int | None = None) -> TrajectoryRow:
     """The ``trajectories/`` row of an episode (complete or not).
 
     An episode not normalized yet gets ``group_advantage``/``normalized_return``
     0 and ``group_members`` 0 (:func:`pipelines.normalize.normalize_tables`
-    fills them in). ``disagreements`` is the episode's total of
-    :func:`pipelines.verify.step_disagreements` when the caller has it.
+    fills them in). ``disagreements`` and ``steps_passed`` are the episode's totals of
+    :func:`pipelines.verify.step_disagreements` and :func:`pipelines.rewards.step_passed`
+    when the caller has them.
     """
     version, h = _recipe_ids(recipe)
     fin, started, complete = episode.finished, episode.started, episode.complete
     if disagreements is None:
         disagreements = sum(map(step_disagreements, episode.verdicts)) if complete else 0
+    if steps_passed is None:
+        steps_passed = sum(map(step_passed, episode.verdicts)) if complete else 0
     return TrajectoryRow(
         episode_id=episode.episode_id, domain=episode.domain, recipe=version, recipe_hash=h,
         task_id=episode.task_id, task_group=episode.task_group, policy_version=episode.policy_version,
@@ -175,12 +181,46 @@ def trajectory_row(episode: Episode, recipe: Recipe, *, disagreements: int | Non
         group_timed_out=episode.group_timed_out, policy_lineage=episode.policy_lineage,
         verifier_summary=fin.verifier_summary if fin is not None else "", verifier_disagreements=disagreements,
         completed_late=episode.completed_late,
-        steps_passed=sum(map(step_passed, episode.verdicts)) if complete else 0,
+        steps_passed=steps_passed,
         first_event_time=episode.first_event_time, last_event_time=episode.last_event_time,
     )
 
 
 _ACTION_TOKEN_IDS = operator.attrgetter("action_token_ids")
+
+
+def step_figures(verdicts: list[Verification], weights: Mapping[str, float]) -> tuple[float, bool, int]:
+    """``(verification_score, step_passed, step_disagreements)`` of one step's verdicts, in one pass.
+
+    The same three figures as :func:`pipelines.rewards.verification_score` (the same sums in the
+    same order), :func:`pipelines.rewards.step_passed` and
+    :func:`pipelines.verify.step_disagreements` (called only when the step has a pipeline re-run
+    that does not count): three calls and three passes a step were ~6 % of row staging.
+
+    Examples:
+        >>> from schemas.datasets import Verification
+        >>> v = [Verification(verifier="a", passed=True, score=1.0), Verification(verifier="b", passed=True, score=0.5),
+        ...      Verification(verifier="a", passed=False, score=0.0, source="pipeline", counted=False)]
+        >>> step_figures(v, {"b": 3.0})
+        (0.625, True, 1)
+        >>> step_figures(v[2:], {})  # no counted verdict: no score, no pass
+        (0.0, False, 0)
+    """
+    total = num = 0.0
+    counted = rerun = False
+    passed = True
+    for v in verdicts:
+        if v.counted:
+            counted = True
+            if not v.passed:
+                passed = False
+            w = weights.get(v.verifier, 1.0) if weights else 1.0
+            total += w
+            num += w * v.score
+        elif not rerun and v.source == "pipeline" and not v.verifier.startswith(DATA_QUALITY_PREFIX):
+            rerun = True
+    return (num / total if total > 0 else 0.0, counted and passed,
+            step_disagreements(verdicts) if rerun else 0)
 
 
 def _status(episode: Episode) -> str:
@@ -251,8 +291,8 @@ class RowsBuffer:
             self._trajs.append(trajectory_row(episode, self._recipe))
             return
         ss, c, n, vss = episode.steps, self._cols, len(episode.steps), episode.verdicts
-        disagreements = list(map(step_disagreements, vss))
-        row = trajectory_row(episode, self._recipe, disagreements=sum(disagreements))
+        scores, passed, disagreements = zip(*map(step_figures, vss, itertools.repeat(self._weights)))
+        row = trajectory_row(episode, self._recipe, disagreements=sum(disagreements), steps_passed=sum(passed))
         self._trajs.append(row)
         sampling = episode.sampling
         self._episodes.append((  # what the trajectory row has already worked out is read from it
@@ -264,7 +304,7 @@ class RowsBuffer:
         self._steps += ss
         c["loss_mask"] += episode.loss_masks
         c["verifications"] += vss
-        c["verification_score"] += map(verification_score, vss, itertools.repeat(self._weights))
+        c["verification_score"] += scores
         c["verifier_disagreements"] += disagreements
         c["reward"].append(episode.rewards)
         c["return_to_go"].append(episode.returns)

@@ -9,13 +9,15 @@ import pyarrow.feather as feather
 import pyarrow.parquet as pq
 import pytest
 from apache_beam.pvalue import TaggedOutput
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from apache_beam.utils.windowed_value import WindowedValue
 
 from pipelines.assemble import assemble_episode, dedupe_events
 from pipelines.clip import clip_episode
 from pipelines.groups import HeldGroup, add_group_stats, decide_commit
 from pipelines.recipes import Recipe
-from pipelines.rewards import annotate_rewards
+from pipelines.rewards import annotate_rewards, step_passed, verification_score
 from pipelines.sinks import (
     STAGED_SUFFIX,
     RowsBuffer,
@@ -26,10 +28,11 @@ from pipelines.sinks import (
     finalize_shard,
     row_group_starts,
     rows_to_table,
+    step_figures,
     write_parquet,
 )
-from pipelines.verify import _VerifyFn
-from schemas.datasets import step_file_schema, trajectory_file_schema
+from pipelines.verify import _VerifyFn, step_disagreements
+from schemas.datasets import Verification, step_file_schema, trajectory_file_schema
 from schemas.events import SamplingParams, TokenIds
 from tests.pipelines.helpers import as_group, edit, episodes, finished_as
 
@@ -223,3 +226,20 @@ def test_a_failing_shard_fails_the_bundle(tmp_path):
     Path(f"{parts[key][0]}.steps.arrow").unlink()  # a part lost under the worker
     with pytest.raises(FileNotFoundError):
         _finalize(tmp_path, recipe, parts, stats, threads=2)
+
+
+_VERDICT = st.builds(
+    Verification,
+    verifier=st.sampled_from(["a", "b", "code.parses", "pipeline.token_consistency", "format.valid"]),
+    passed=st.booleans(),
+    score=st.sampled_from([0.0, 0.25, 1.0 / 3.0, 0.5, 1.0, 0.1 + 0.2]),
+    source=st.sampled_from(["rollout", "pipeline"]),
+    counted=st.booleans(),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_VERDICT, max_size=7), st.sampled_from([{}, {"a": 2.0}, {"b": 0.5, "format.valid": 3.0}]))
+def test_step_figures_are_the_three_definitions_in_one_pass(verdicts, weights):
+    assert step_figures(verdicts, weights) == (verification_score(verdicts, weights), step_passed(verdicts),
+                                               step_disagreements(verdicts))
