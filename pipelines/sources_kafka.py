@@ -46,6 +46,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Union
@@ -209,12 +210,43 @@ class _ReadRangeFn(_FetchDoFnBase):
         tracker.try_claim(tracker.current_restriction().stop)  # only gaps (or nothing) left: finish
 
 
+#: Readers of the forked whole-range reads, kept by the process and thread that made them, by connection and
+#: reader settings (:func:`_kept_reader`).
+_KEPT_READERS: dict[tuple[Any, ...], PartitionReader] = {}
+
+
+def _kept_reader(conn: KafkaConnection, kw: Mapping[str, Any]) -> tuple[PartitionReader, tuple[Any, ...] | None]:
+    """A :class:`PartitionReader` of this process and thread for ``conn``, kept for its next ranges: ``(reader, key)``.
+
+    A kept worker of :class:`pipelines.forked.ForkedChain` reads a range in every task, in every run; a new
+    reader's bootstrap, version check and metadata took 20-60 ms before its first records. The key holds the
+    process id, so a reader a forked child inherits is never used (nor closed) there: a connection is never
+    shared by two processes. ``key`` is None for a connection that cannot be a key (the reader is not kept).
+    """
+    try:
+        key = (os.getpid(), threading.get_ident(), conn, tuple(sorted(kw.items())))
+        reader = _KEPT_READERS.get(key)
+    except TypeError:  # an unhashable setting
+        return PartitionReader(conn, **kw), None
+    if reader is None:
+        reader = _KEPT_READERS[key] = PartitionReader(conn, **kw)
+    return reader, key
+
+
+def _drop_kept_reader(key: tuple[Any, ...] | None, reader: PartitionReader) -> None:
+    """Close ``reader`` and forget it (a read through it failed: the next one starts afresh)."""
+    if key is not None and _KEPT_READERS.get(key) is reader:
+        del _KEPT_READERS[key]
+    reader.close()
+
+
 class _ReadWholeRangeFn(_FetchDoFnBase):
     """Bounded, not splittable: all of ``[start, end)`` of a partition slice, in batches (forked workers' read).
 
     The reader is made by the process that reads, on its first element, not in ``setup``: a
     :class:`pipelines.forked.ForkedChain` sets its DoFns up in the driver and forks, and a
-    connection must not be shared by two processes. It is closed when the bundle ends.
+    connection must not be shared by two processes. The process keeps it for its next ranges
+    (:func:`_kept_reader`); a read that fails closes it.
     """
 
     def __init__(self, conn: KafkaConnection, *, stall_timeout_s: float, **kw: Any) -> None:
@@ -225,17 +257,19 @@ class _ReadWholeRangeFn(_FetchDoFnBase):
         pass
 
     def process(self, element: _Slice) -> Iterator[RawRecords]:
-        if self._reader is None:
-            self._reader = PartitionReader(self._conn, **self._reader_kw)
+        reader, key = _kept_reader(self._conn, self._reader_kw)
         whole = KafkaOffsetRange(topic=element[0], partition=element[1], start=element[2], end=element[3])
-        for chunk in read_partition(self._reader, whole, stall_timeout_s=self._stall_timeout_s):
-            for i in range(0, len(chunk), self._batch_size):
-                batch = _records(chunk, i, i + self._batch_size)
-                self._count(batch)
-                yield batch
-
-    def finish_bundle(self) -> None:
-        self.teardown()
+        try:
+            for chunk in read_partition(reader, whole, stall_timeout_s=self._stall_timeout_s):
+                for i in range(0, len(chunk), self._batch_size):
+                    batch = _records(chunk, i, i + self._batch_size)
+                    self._count(batch)
+                    yield batch
+        except BaseException:
+            _drop_kept_reader(key, reader)
+            raise
+        if key is None:
+            reader.close()
 
 
 class _StreamWatermarks:

@@ -8,6 +8,8 @@ once, nothing outside it.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from pathlib import Path
 
 import apache_beam as beam
@@ -20,12 +22,13 @@ from kafka import KafkaProducer
 from kafka.admin import KafkaAdminClient, NewTopic
 
 from pipelines.runners import runner_options
-from pipelines.sources_kafka import ReadKafkaRange, ReadKafkaStream
+from pipelines.sources_kafka import ReadKafkaRange, ReadKafkaStream, _kept_reader, _ReadWholeRangeFn
 from pipelines.types import RawRecords
 from schemas.codec import encode_event
 from streams.broker import BrokerInfo
 from streams.config import KafkaConnection
 from streams.consumer import ReadStalledError, end_offsets
+from streams.fetch import PartitionReader
 from streams.synth import generate_episodes
 
 PARTITIONS = 3
@@ -274,3 +277,41 @@ def test_stream_batch_time_of_a_fast_producer_is_clamped():
     assert Timestamp.of(now_ms / 1000 + 299) < clamped <= Timestamp.now() + 300
     as_is = _StreamWatermarks(idle_watermark_lag_s=1).batch_timestamp(estimator, batch)
     assert as_is == Timestamp(micros=(now_ms + 6 * 3600 * 1000) * 1000)
+
+
+def _whole_read(conn: KafkaConnection, topic: str, slices) -> tuple[list, list[PartitionReader]]:
+    """Read ``slices`` through one _ReadWholeRangeFn (as a forked worker does); return triples and the readers used."""
+    fn = _ReadWholeRangeFn(conn, stall_timeout_s=2, batch_size=50, max_wait_ms=100, max_partition_fetch_bytes=1 << 20)
+    triples, readers = [], []
+    for s in slices:
+        triples += [t for batch in fn.process((topic, *s, 0)) for t in _triples(batch)]
+        readers.append(_kept_reader(conn, fn._reader_kw)[0])
+    return triples, readers
+
+
+def _whole_read_triples(conn: KafkaConnection, topic: str, slices) -> list:
+    return _whole_read(conn, topic, slices)[0]
+
+
+@pytest.mark.integration
+def test_whole_range_reads_keep_one_reader_per_process(filled_topic):
+    conn, topic, acked = filled_topic
+    ends = end_offsets(conn, topic)
+    triples, readers = _whole_read(conn, topic, [(0, 0, ends[0]), (1, 2, ends[1]), (2, 0, ends[2])])
+    assert sorted(triples) == [a for a in acked if a[0] != 1 or a[1] >= 2]
+    assert readers[0] is readers[1] is readers[2]  # one reader for the process's three ranges
+
+    # A read that fails (past the log's end) closes the kept reader; the next read makes a new one.
+    fn = _ReadWholeRangeFn(conn, stall_timeout_s=1, batch_size=50, max_wait_ms=100, max_partition_fetch_bytes=1 << 20)
+    with pytest.raises(ReadStalledError):
+        list(fn.process((topic, 1, ends[1] - 1, ends[1] + 3, 0)))
+    again, after = _whole_read(conn, topic, [(1, 0, ends[1])])
+    assert sorted(again) == [a for a in acked if a[0] == 1]
+    assert after[0] is not readers[0]
+
+    # A forked child never uses the parent's reader (it makes its own), and the parent's still reads.
+    with ProcessPoolExecutor(1, mp_context=get_context("fork")) as pool:
+        child = pool.submit(_whole_read_triples, conn, topic, [(2, 0, ends[2])]).result(timeout=120)
+    assert sorted(child) == [a for a in acked if a[0] == 2]
+    mine, mine_readers = _whole_read(conn, topic, [(2, 0, ends[2])])
+    assert sorted(mine) == sorted(child) and mine_readers[0] is after[0]
