@@ -377,11 +377,15 @@ class _ForkedChainFn(beam.DoFn):
         self._futures: deque[Future] = deque()
         self._prestarted: str | None = None  # the token of the tasks :meth:`prestart` submitted
 
-    def prestart(self, elements: Sequence[Any]) -> str:
-        """Submit the first tasks of ``elements`` (those the ParDo will get) now; returns their token."""
+    def _pack(self) -> None:
+        """Import the lazy modules (once here, not once in every forked worker) and pickle the chain for them."""
         for name in LAZY_IMPORTS:
             importlib.import_module(name)
         self._token, self._blob = uuid.uuid4().hex, pickler.dumps(self._chain)
+
+    def prestart(self, elements: Sequence[Any]) -> str:
+        """Submit the first tasks of ``elements`` (those the ParDo will get) now; returns their token."""
+        self._pack()
         self._prestarted = self._token
         pool = _pool(self._workers)
         elements = list(elements)
@@ -392,13 +396,12 @@ class _ForkedChainFn(beam.DoFn):
         return self._token
 
     def setup(self) -> None:
-        for name in LAZY_IMPORTS:  # once here, not once in every forked worker
-            importlib.import_module(name)
-        if self._prestarted is not None:  # token and chain pickled by prestart (this is Beam's copy of the DoFn)
-            pass
-        elif self._workers > 1:  # the workers set up their own copies
-            self._token, self._blob = uuid.uuid4().hex, pickler.dumps(self._chain)
+        if self._workers > 1:  # the workers set up their own copies
+            if self._prestarted is None:  # else prestart packed it (this is Beam's copy of the DoFn)
+                self._pack()
         else:
+            for name in LAZY_IMPORTS:
+                importlib.import_module(name)
             for stage in self._chain:
                 stage.fn.setup()
 
