@@ -196,9 +196,10 @@ class CommitLog:
         """The records of commits ``after + 1 ..`` through ``as_of`` (None: the last), read from the log's files.
 
         A reader's path: it reads the commit files (``_delta_log/<v>.json``, table version ``v`` =
-        commit ``v``, or a later version in a log created twice at once before 2026-12-06) through :mod:`schemas.locations`, not through deltalake, so it works in a
-        process forked after deltalake was used (the trainer's DataLoader workers: delta-rs' runtime
-        does not survive a fork), and reads only the files of commits after ``after``. What it
+        commit ``v``, or a later version in a log created twice at once before 2026-12-06) through
+        :mod:`schemas.locations`, not through deltalake, so it works in a process forked after deltalake
+        was used (the trainer's DataLoader workers: delta-rs' runtime does not survive a fork), and reads
+        only the files of commits after ``after``. What it
         returns is what :meth:`Snapshot.records` of a snapshot taken at the same moment returns.
 
         Raises:

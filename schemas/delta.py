@@ -143,8 +143,10 @@ def add_files(table_root: Path | str, files: Sequence[tuple[str, int]], *, app_i
         actions.append(AddAction(path=rel, size=size, partition_values=partition_values(rel),
                                  modification_time=mtime_ms, data_change=True,
                                  stats=json.dumps({"numRecords": rows})))
-    props = CommitProperties(custom_metadata=dict(metadata),
-                             app_transactions=[Transaction(app_id=app_id, version=version)])
+    def props(**kw: int) -> CommitProperties:
+        return CommitProperties(custom_metadata=dict(metadata),
+                                app_transactions=[Transaction(app_id=app_id, version=version)], **kw)
+
     try:
         if dt is None:
             try:
@@ -152,9 +154,7 @@ def add_files(table_root: Path | str, files: Sequence[tuple[str, int]], *, app_i
                 # TABLE at version 1 (schemas/commit_log.py, tests/storage/test_commit_log.py)
                 create_table_with_add_actions(table_root, schema, actions, mode="error", partition_by=cols,
                                               storage_options=options, post_commithook_properties=_HOOKS,
-                                              commit_properties=CommitProperties(
-                                                  custom_metadata=dict(metadata), max_commit_retries=0,
-                                                  app_transactions=[Transaction(app_id=app_id, version=version)]))
+                                              commit_properties=props(max_commit_retries=0))
                 return 0
             except DeltaError:  # another writer created it first: append like any later commit
                 dt = open_table(table_root)
@@ -164,7 +164,7 @@ def add_files(table_root: Path | str, files: Sequence[tuple[str, int]], *, app_i
                     return None
                 _check_compatible(dt, schema, cols, table_root)
         dt.create_write_transaction(actions, mode="append", schema=schema, partition_by=cols,
-                                    commit_properties=props, post_commithook_properties=_HOOKS)
+                                    commit_properties=props(), post_commithook_properties=_HOOKS)
     except DeltaError as err:
         again = open_table(table_root)
         if again is not None and (again.transaction_version(app_id) or 0) >= version:
