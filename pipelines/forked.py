@@ -244,6 +244,10 @@ def worker_pids() -> list[int]:
         return sorted(pid for pool in _POOLS.values() for pid in (getattr(pool, "_processes", None) or {}))
 
 
+#: A worker's collector thresholds (Python's default: 700, 10, 10; see :func:`_init_worker`).
+_WORKER_GC_THRESHOLD = (20_000, 10, 10)
+
+
 def _init_worker() -> None:
     """A new worker: it ends with the driver, leaves Ctrl-C to it, and keeps its heap (:func:`_keep_heap`).
 
@@ -258,9 +262,13 @@ def _init_worker() -> None:
     a full pass of the collector walked all of it, 0.1-0.2 s each time one came in a task
     (in about half of a 100k-event run's tasks). The worker's own objects are collected as
     before, so a task's cyclic garbage does not outlive it; the frozen ones are never
-    collected in the worker, and they do not grow.
+    collected in the worker, and they do not grow. The young generation is collected every
+    :data:`_WORKER_GC_THRESHOLD` allocations instead of 700: a task allocates millions of
+    short-lived containers and most are freed before a pass; the collector's time in a run's
+    tasks went ~0.16 → ~0.05 CPU-s (0.45 before the freeze).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    gc.set_threshold(*_WORKER_GC_THRESHOLD)
     gc.freeze()  # what came with the fork lives as long as the worker: the collector's full passes skip it
     parent = os.getppid()
 

@@ -347,7 +347,7 @@ def test_a_prestarted_task_that_fails_fails_the_run_and_the_rest_are_ended(tmp_p
 
 
 class _GcProbe(beam.DoFn):
-    """x → (pid, objects frozen in this process, whether a reference cycle made here was collected)."""
+    """x → (pid, objects frozen here, whether a reference cycle made here was collected, gc thresholds)."""
 
     def process(self, x):
         import gc
@@ -361,7 +361,7 @@ class _GcProbe(beam.DoFn):
         gone = weakref.ref(node)
         del node
         gc.collect()
-        yield os.getpid(), gc.get_freeze_count(), gone() is None
+        yield os.getpid(), gc.get_freeze_count(), gone() is None, gc.get_threshold()
 
 
 def test_a_worker_freezes_what_came_with_the_fork_and_still_collects_its_own_garbage():
@@ -374,6 +374,7 @@ def test_a_worker_freezes_what_came_with_the_fork_and_still_collects_its_own_gar
     out.main | beam.Map(_collect, "probe")
     p.run().wait_until_finish()
     probes = _COLLECTED["probe"]
-    assert len(probes) == 6 and os.getpid() not in {pid for pid, _, _ in probes}
-    assert all(frozen > 1000 for _, frozen, _ in probes)  # the inherited heap
-    assert all(collected for _, _, collected in probes)  # a task's own cyclic garbage is not frozen with it
+    assert len(probes) == 6 and os.getpid() not in {pid for pid, *_ in probes}
+    assert all(frozen > 1000 for _, frozen, _, _ in probes)  # the inherited heap
+    assert all(collected for _, _, collected, _ in probes)  # a task's own cyclic garbage is not frozen with it
+    assert {threshold for *_, threshold in probes} == {forked_module._WORKER_GC_THRESHOLD}
