@@ -1,4 +1,4 @@
-"""Rollout throughput per policy: episodes/s of the rollout worker on this machine (~3 minutes).
+"""Rollout throughput per policy: episodes/s of the rollout worker on this machine (~4 minutes).
 
 Every policy runs the same workload shape against the same broker: episodes of
 all four domains, events to a fresh events topic through ``EventProducer``.
@@ -7,14 +7,17 @@ all four domains, events to a fresh events topic through ``EventProducer``.
 * ``hf`` and ``vllm``: the tiny random-init model (``trajpipe model init-tiny``),
   episodes of at most 4 steps, 32 new tokens per action (random weights
   rarely stop early). ``hf``: 16 episodes, 4 in flight, generate calls
-  serialised. ``vllm``: 64 episodes, all in flight (``--concurrency 64``, so
-  ``max_batch`` 64, ``VLLMPolicy``'s default), their requests continuously
-  batched on one engine: the engine's batch is never wider than the episodes
-  in flight, and 64 is the width a user fills the engine with (16 in flight
-  generated 1,107-1,216 tokens/s here, 64 1,325-2,075, 128 no more than 64);
-  it runs as ``trajpipe rollout`` in a subprocess (vLLM's process-wide
-  settings stay out of this one) and engine start-up is reported separately,
-  not counted in episodes/s.
+  serialised. ``vllm``: 256 episodes, all in flight (``--concurrency 256``, so
+  ``max_batch`` 256), their requests continuously batched on one engine; 256
+  is the engine's own batch width (its scheduler's ``max_num_seqs``, vLLM's
+  default for ``LLM`` on CPU; recorded as ``rollout_vllm_engine_max_num_seqs``):
+  the rollout fills the engine as wide as it runs. The engine's batch is never
+  wider than the episodes in flight, so with fewer (64 until 2026-12-06) the
+  offline reference below ran 4x wider than the rollout could, and the ratio
+  measured the episodes' step dependency, not how busy the rollout keeps the
+  engine (docs/rollout.md, issue 16 item 4). It runs as ``trajpipe rollout`` in
+  a subprocess (vLLM's process-wide settings stay out of this one) and engine
+  start-up is reported separately, not counted in episodes/s.
 
 vLLM against its own offline ``generate`` (``rollout_vllm_tokens_vs_generate``,
 goal >= 0.7): the prompts the rollout actually sent are rebuilt from its step
@@ -38,9 +41,12 @@ Figures: ``rollout_{scripted,hf,vllm}_episodes_per_s``, ``rollout_vllm_load_s``,
 ``rollout_vllm_tokens_vs_generate``, ``rollout_vllm_generate_by_step_tokens_per_s``
 and ``rollout_vllm_tokens_vs_generate_by_step`` (the offline reference run once
 per step index, see ``bench.vllm_offline``), ``rollout_vllm_engine_busy`` (share of
-the rollout's generation time the engine spent in ``step``) and
+the rollout's generation time the engine spent in ``step``),
 ``rollout_vllm_same_actions`` (share of the offline actions equal, token for
-token, to the recorded ones: 1.0 means the same work was measured twice).
+token, to the recorded ones: 1.0 means the same work was measured twice),
+``rollout_vllm_concurrency`` (episodes in flight) and
+``rollout_vllm_engine_max_num_seqs`` (the engine's batch width, read from the
+offline engine, which has the same arguments).
 
 Usage::
 
@@ -77,8 +83,8 @@ DOMAINS = ["code", "math", "docqa", "tools"]
 MODEL_EPISODES = 16  # hf
 MAX_STEPS = 4
 MAX_TOKENS = 32
-VLLM_EPISODES = 64
-VLLM_CONCURRENCY = 64  # every episode in flight: the engine batch is as wide as the rollout allows
+VLLM_EPISODES = 256
+VLLM_CONCURRENCY = 256  # every episode in flight, as many as the engine batches (its max_num_seqs on CPU)
 MAX_MODEL_LEN = 2048  # VLLMPolicy's default, which `trajpipe rollout` uses
 
 
@@ -204,6 +210,8 @@ def bench_vllm_against_generate(bootstrap: str, model: Path, workdir: Path) -> d
         "rollout_vllm_tokens_vs_generate_by_step": round(rollout_tps / by_step_tps, 3),
         "rollout_vllm_engine_busy": round(counts["engine_busy_s"] / counts["generation_s"], 3),
         "rollout_vllm_same_actions": round(same, 3),
+        "rollout_vllm_concurrency": VLLM_CONCURRENCY,
+        "rollout_vllm_engine_max_num_seqs": offline["max_num_seqs"],
     }
 
 

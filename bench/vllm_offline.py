@@ -53,7 +53,8 @@ def run_offline_generate(request: dict) -> dict:
 
     Returns:
         ``{"prompts", "generated_tokens", "generate_s", "load_s", "token_ids", "by_step_generated_tokens",
-        "by_step_generate_s"}``.
+        "by_step_generate_s", "max_num_seqs"}`` (the last: the engine's batch width, its scheduler's
+        ``max_num_seqs``).
     """
     from rollout.policies.vllm import configure_cpu_env, llm_kwargs
 
@@ -98,7 +99,8 @@ def run_offline_generate(request: dict) -> dict:
     token_ids = [list(out.outputs[0].token_ids) for out in outputs]
     return {"prompts": len(prompts), "generated_tokens": sum(len(t) for t in token_ids),
             "generate_s": generate_s, "load_s": load_s, "token_ids": token_ids,
-            "by_step_generated_tokens": by_step_tokens, "by_step_generate_s": by_step_s}
+            "by_step_generated_tokens": by_step_tokens, "by_step_generate_s": by_step_s,
+            "max_num_seqs": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs}
 
 
 if __name__ == "__main__":
