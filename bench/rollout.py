@@ -209,6 +209,11 @@ def bench_vllm_against_generate(bootstrap: str, model: Path, workdir: Path) -> d
         "rollout_vllm_generate_by_step_tokens_per_s": round(by_step_tps, 1),
         "rollout_vllm_tokens_vs_generate_by_step": round(rollout_tps / by_step_tps, 3),
         "rollout_vllm_engine_busy": round(counts["engine_busy_s"] / counts["generation_s"], 3),
+        "rollout_vllm_tokens_per_engine_step": round(counts["generated_tokens"] / counts["engine_steps"], 1),
+        "rollout_vllm_generate_tokens_per_engine_step": round(offline["generated_tokens"]
+                                                              / offline["generate_engine_steps"], 1),
+        "rollout_vllm_generate_by_step_tokens_per_engine_step": round(offline["by_step_generated_tokens"]
+                                                                      / offline["by_step_engine_steps"], 1),
         "rollout_vllm_same_actions": round(same, 3),
         "rollout_vllm_concurrency": VLLM_CONCURRENCY,
         "rollout_vllm_engine_max_num_seqs": offline["max_num_seqs"],

@@ -52,8 +52,8 @@ def run_offline_generate(request: dict) -> dict:
             {temperature, top_p, top_k, max_tokens, seed}, "max_model_len"}``.
 
     Returns:
-        ``{"prompts", "generated_tokens", "generate_s", "load_s", "token_ids", "by_step_generated_tokens",
-        "by_step_generate_s", "max_num_seqs"}`` (the last: the engine's batch width, its scheduler's
+        ``{"prompts", "generated_tokens", "generate_s", "generate_engine_steps", "load_s", "token_ids",
+        "by_step_generated_tokens", "by_step_generate_s", "by_step_engine_steps", "max_num_seqs"}`` (the last: the engine's batch width, its scheduler's
         ``max_num_seqs``).
     """
     from rollout.policies.vllm import configure_cpu_env, llm_kwargs
@@ -73,6 +73,15 @@ def run_offline_generate(request: dict) -> dict:
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     steps = request["step_indexes"]
 
+    engine, steps_taken = llm.llm_engine, [0]
+    engine_step = engine.step
+
+    def counted_step(*args, **kwargs):  # the engine steps each call takes (its batch width: tokens / steps)
+        steps_taken[0] += 1
+        return engine_step(*args, **kwargs)
+
+    engine.step = counted_step
+
     def generate(indexes: list[int]) -> list:
         return llm.generate([prompts[i] for i in indexes], [params[i] for i in indexes], use_tqdm=False)
 
@@ -80,26 +89,27 @@ def run_offline_generate(request: dict) -> dict:
         if not llm.reset_prefix_cache():
             raise RuntimeError("vLLM did not empty its prefix cache (blocks still in use)")
 
-    def measure() -> tuple[list, float, int, float]:
+    def measure() -> tuple[list, float, int, int, float, int]:
         everything = list(range(len(prompts)))
         generate(everything)  # warm-up, untimed
         cold_cache()
-        t1 = time.perf_counter()
+        steps_taken[0], t1 = 0, time.perf_counter()
         outputs = generate(everything)
-        one_call_s = time.perf_counter() - t1
+        one_call_s, one_call_steps = time.perf_counter() - t1, steps_taken[0]
         cold_cache()
-        by_step_tokens, t2 = 0, time.perf_counter()
+        by_step_tokens, steps_taken[0], t2 = 0, 0, time.perf_counter()
         for k in sorted(set(steps)):
             outs = generate([i for i, step in enumerate(steps) if step == k])
             by_step_tokens += sum(len(out.outputs[0].token_ids) for out in outs)
-        return outputs, one_call_s, by_step_tokens, time.perf_counter() - t2
+        return outputs, one_call_s, one_call_steps, by_step_tokens, time.perf_counter() - t2, steps_taken[0]
 
     with ThreadPoolExecutor(max_workers=1) as pool:
-        outputs, generate_s, by_step_tokens, by_step_s = pool.submit(measure).result()
+        outputs, generate_s, generate_steps, by_step_tokens, by_step_s, by_step_steps = pool.submit(measure).result()
     token_ids = [list(out.outputs[0].token_ids) for out in outputs]
     return {"prompts": len(prompts), "generated_tokens": sum(len(t) for t in token_ids),
-            "generate_s": generate_s, "load_s": load_s, "token_ids": token_ids,
-            "by_step_generated_tokens": by_step_tokens, "by_step_generate_s": by_step_s,
+            "generate_s": generate_s, "generate_engine_steps": generate_steps, "load_s": load_s,
+            "token_ids": token_ids, "by_step_generated_tokens": by_step_tokens, "by_step_generate_s": by_step_s,
+            "by_step_engine_steps": by_step_steps,
             "max_num_seqs": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs}
 
 

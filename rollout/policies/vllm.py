@@ -175,7 +175,8 @@ class GenerationStats(msgspec.Struct, kw_only=True):
     def summary(self) -> dict[str, float | int]:
         """The keys ``trajpipe rollout --policy vllm`` appends to its last-line counts."""
         return {"policy_requests": self.requests, "generated_tokens": self.generated_tokens,
-                "generation_s": round(self.generation_s, 3), "engine_busy_s": round(self.engine_busy_s, 3)}
+                "generation_s": round(self.generation_s, 3), "engine_busy_s": round(self.engine_busy_s, 3),
+                "engine_steps": self.engine_steps}
 
 
 class _Request(msgspec.Struct):

@@ -70,6 +70,7 @@ _SCRIPT = textwrap.dedent('''
         out["lengths"] = [len(long_action.token_ids), len(short_action.token_ids)]
         out["short_sampling_max_tokens"] = short_action.sampling.max_tokens
         out["runs_after_overlap"] = policy.stats.engine_runs
+        out["summary_after_overlap"] = policy.stats.summary()
 
         # 2. Reload while the long prompt runs again: it finishes on the old weights; a request
         #    submitted after the reload call waits for the new weights.
@@ -167,6 +168,11 @@ def test_vllm_continuous_batching_short_request_overtakes_long_one(tmp_path):
     assert out["order"] == ["short", "long"]
     assert out["lengths"] == [300, 4] and out["short_sampling_max_tokens"] == 4
     assert out["runs_after_overlap"] == 1  # the short request joined the long one's run
+    # The last-line counts' engine figures: 304 tokens, one a step per running request, so at least 300
+    # steps (the long request's) and at most 2 tokens a step (the width: bench.rollout's tokens per step).
+    summary = out["summary_after_overlap"]
+    assert summary["policy_requests"] == 2 and summary["generated_tokens"] == 304, summary
+    assert 300 <= summary["engine_steps"] <= 304 and 1 < summary["generated_tokens"] / summary["engine_steps"] <= 2
     # 2. Reload waits for the request in the engine (old weights throughout, same tokens as before),
     #    and holds the one submitted after it until the new weights are in.
     assert out["reload_order"][0] == "in_flight" and sorted(out["reload_order"]) == ["held", "in_flight", "reloaded"]
