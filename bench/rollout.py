@@ -44,9 +44,13 @@ per step index, see ``bench.vllm_offline``), ``rollout_vllm_engine_busy`` (share
 the rollout's generation time the engine spent in ``step``),
 ``rollout_vllm_same_actions`` (share of the offline actions equal, token for
 token, to the recorded ones: 1.0 means the same work was measured twice),
-``rollout_vllm_concurrency`` (episodes in flight) and
+``rollout_vllm_concurrency`` (episodes in flight),
 ``rollout_vllm_engine_max_num_seqs`` (the engine's batch width, read from the
-offline engine, which has the same arguments).
+offline engine, which has the same arguments), and the width each side ran:
+``rollout_vllm_tokens_per_engine_step``,
+``rollout_vllm_generate_tokens_per_engine_step`` and
+``rollout_vllm_generate_by_step_tokens_per_engine_step`` (tokens generated per
+``LLMEngine.step``: about the requests decoding in a step).
 
 Usage::
 
