@@ -588,6 +588,13 @@ class Archiver:
                 self._follow(counts, stop, until_end=until_end, poll_interval_s=poll_interval_s)
                 recover_archive(self.out)  # temporary files of commits made meanwhile by another (crashed) run
                 return counts
+            except ArchiveConflict as err:
+                if not counts.commits:
+                    raise
+                # The commits this run made before the one it lost stay archived: say so, or the one
+                # error line reads as if the run had archived nothing.
+                raise ArchiveConflict(f"{err}; before it this run made {counts.commits} commit(s) of "
+                                      f"{counts.events} events, which stay archived") from err
             except (KafkaError, KafkaUnavailable, StreamTimeoutError) as err:
                 if until_end:
                     raise

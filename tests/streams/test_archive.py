@@ -274,7 +274,8 @@ def _offsets_contiguous(archive: Path) -> None:
 def test_two_archivers_at_once_on_a_local_archive_archive_every_event_once(kafka_broker, topic_name, tmp_path):
     """The local twin of tests/storage/test_archive_s3.py's race: two `trajpipe archive` processes plan the same
     commits of one local directory; the commit log lets one make each. A loser deletes its temporary files and
-    ends with one error line (exit 2), losing nothing: the next run reads its offsets again."""
+    ends with one error line (exit 2), losing nothing: the next run reads its offsets again. Commits a loser
+    made before the one it lost stay archived (its run reports no counts: the archive is counted)."""
     from streams.admin import ensure_topics
     from tests.helpers import race_two_archivers, topic_env
 
@@ -285,14 +286,42 @@ def test_two_archivers_at_once_on_a_local_archive_archive_every_event_once(kafka
     archived = race_two_archivers(kafka_broker.bootstrap, str(archive), commit_every=150, spool_root=tmp_path,
                                   cwd=Path(__file__).resolve().parents[2],
                                   env_of=lambda i: topic_env(topic_name, tmp_path / f"spool-{i}", partitions=3))
-    assert archived <= n
-    assert _count(archive) == (archived, archived)  # what the runs say they committed, each event once
+    committed, distinct = _count(archive)
+    assert committed == distinct and archived <= committed <= n  # each event once, the winners' among them
     again = _archiver(tmp_path, kafka_broker.bootstrap, topic_name, []).run()  # a loser's rerun
-    assert archived + again.events == n
+    assert committed + again.events == n
     assert _count(archive) == (n, n)
     assert not list(archive.glob("bucket=*/*.tmp"))
     _offsets_contiguous(archive)
     _assert_delta_matches_manifests(archive)
+
+
+@pytest.mark.integration
+def test_a_loser_that_made_commits_first_says_so_and_they_stay_archived(kafka_broker, topic_name, tmp_path):
+    """The race the process test can hit in either order, made deterministic: archiver A makes commit 1, then B
+    (started meanwhile) archives the rest as commits 2..; A's commit 2 is refused. Its one error says what A
+    did archive, and the archive holds every event once."""
+    from streams.archive import ArchiveConflict
+
+    n = _produce(kafka_broker.bootstrap, topic_name, 20, seed=23)
+    conn = KafkaConnection(bootstrap_servers=kafka_broker.bootstrap)
+    other: list = []
+
+    def after_commit(counts) -> None:
+        if counts.commits == 1 and not other:
+            other.append(Archiver(tmp_path / "archive", conn=conn, topic=topic_name, dead_letter=lambda r, e: None,
+                                  commit_every=60).run())
+
+    loser = Archiver(tmp_path / "archive", conn=conn, topic=topic_name, dead_letter=lambda r, e: None,
+                     commit_every=60, progress=after_commit)
+    with pytest.raises(ArchiveConflict) as caught:
+        loser.run()
+    first = read_commits(tmp_path / "archive")[0].events
+    assert first == 60 and other[0].commits >= 1 and first + other[0].events == n
+    assert str(caught.value).startswith("another archiver made commit 2 of ")
+    assert str(caught.value).endswith(f"; before it this run made 1 commit(s) of {first} events, which stay archived")
+    assert _count(tmp_path / "archive") == (n, n)
+    assert not list((tmp_path / "archive").glob("bucket=*/*.tmp"))
 
 
 def _to_legacy_layout(archive: Path) -> list[bytes]:
