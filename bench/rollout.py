@@ -1,4 +1,4 @@
-"""Rollout throughput per policy: episodes/s of the rollout worker on this machine (~4 minutes).
+"""Rollout throughput per policy: episodes/s of the rollout worker on this machine (~5 minutes).
 
 Every policy runs the same workload shape against the same broker: episodes of
 all four domains, events to a fresh events topic through ``EventProducer``.
@@ -52,6 +52,13 @@ offline engine, which has the same arguments), and the width each side ran:
 ``rollout_vllm_generate_by_step_tokens_per_engine_step`` (tokens generated per
 ``LLMEngine.step``: about the requests decoding in a step).
 
+Each figure is the best of ``VLLM_REPEATS`` (2) pairs, a rollout and then the
+offline reference over that rollout's prompts (the pipeline bench's rule: the
+shared machine's noise only ever slows a run down);
+``rollout_vllm_repeats`` says how many, and
+``rollout_vllm_tokens_vs_generate_pair_min`` / ``_pair_max`` give the spread of
+the pairs' own ratios.
+
 Usage::
 
     .venv/bin/python -m bench.run rollout
@@ -89,6 +96,7 @@ MAX_STEPS = 4
 MAX_TOKENS = 32
 VLLM_EPISODES = 256
 VLLM_CONCURRENCY = 256  # every episode in flight, as many as the engine batches (its max_num_seqs on CPU)
+VLLM_REPEATS = 2  # rollout + offline pairs; the best of each side counts
 MAX_MODEL_LEN = 2048  # VLLMPolicy's default, which `trajpipe rollout` uses
 
 
@@ -187,26 +195,40 @@ def _run_offline_generate(model: Path, workdir: Path, recorded: RecordedRequests
     return json.loads(answer.read_text())
 
 
-def bench_vllm_against_generate(bootstrap: str, model: Path, workdir: Path) -> dict:
+def bench_vllm_against_generate(bootstrap: str, model: Path, workdir: Path, *, repeats: int = VLLM_REPEATS) -> dict:
     """The vLLM rollout's episodes/s and generated tokens/s, against offline ``generate`` over its prompts.
+
+    ``repeats`` pairs, each a rollout and then the offline reference over that rollout's prompts; the best
+    figure of each side counts (as in ``bench.pipeline``: the shared machine's noise only ever slows a run
+    down), the width and busy figures are the best rollout's, ``rollout_vllm_same_actions`` the lowest.
 
     Returns:
         The ``rollout_vllm_*`` figures of the module docstring.
     """
-    counts, topic = _run_vllm(bootstrap, model, workdir)
-    recorded = _recorded_requests(KafkaConnection(bootstrap_servers=bootstrap, client_id="bench-rollout-vllm"),
-                                  topic)
-    if len(recorded.prompts) != counts["policy_requests"] or not recorded.prompts:
-        raise RuntimeError(f"{len(recorded.prompts)} steps on {topic} but the engine ran "
-                           f"{counts['policy_requests']} requests: the recorded prompts are not what the rollout sent")
-    offline = _run_offline_generate(model, workdir, recorded)
+    conn = KafkaConnection(bootstrap_servers=bootstrap, client_id="bench-rollout-vllm")
+    rollouts, offlines, same = [], [], []
+    for _ in range(repeats):
+        counts, topic = _run_vllm(bootstrap, model, workdir)
+        recorded = _recorded_requests(conn, topic)
+        if len(recorded.prompts) != counts["policy_requests"] or not recorded.prompts:
+            raise RuntimeError(f"{len(recorded.prompts)} steps on {topic} but the engine ran "
+                               f"{counts['policy_requests']} requests: the recorded prompts are not what the "
+                               "rollout sent")
+        offline = _run_offline_generate(model, workdir, recorded)
+        rollouts.append(counts)
+        offlines.append(offline)
+        same.append(sum(a == b for a, b in zip(recorded.actions, offline["token_ids"])) / len(recorded.actions))
+    counts = max(rollouts, key=lambda c: c["generated_tokens"] / c["generation_s"])
+    one_call = max(offlines, key=lambda o: o["generated_tokens"] / o["generate_s"])
+    by_step = max(offlines, key=lambda o: o["by_step_generated_tokens"] / o["by_step_generate_s"])
+    pairs = [c["generated_tokens"] / c["generation_s"] / (o["generated_tokens"] / o["generate_s"])
+             for c, o in zip(rollouts, offlines)]  # each rollout against the reference run right after it
     rollout_tps = counts["generated_tokens"] / counts["generation_s"]
-    generate_tps = offline["generated_tokens"] / offline["generate_s"]
-    by_step_tps = offline["by_step_generated_tokens"] / offline["by_step_generate_s"]
-    same = sum(a == b for a, b in zip(recorded.actions, offline["token_ids"])) / len(recorded.actions)
+    generate_tps = one_call["generated_tokens"] / one_call["generate_s"]
+    by_step_tps = by_step["by_step_generated_tokens"] / by_step["by_step_generate_s"]
     return {
-        "rollout_vllm_episodes_per_s": round(counts["episodes_per_s"], 3),
-        "rollout_vllm_load_s": round(counts["load_s"], 1),
+        "rollout_vllm_episodes_per_s": round(max(c["episodes_per_s"] for c in rollouts), 3),
+        "rollout_vllm_load_s": round(min(c["load_s"] for c in rollouts), 1),
         "rollout_vllm_tokens_per_s": round(rollout_tps, 1),
         "rollout_vllm_generate_tokens_per_s": round(generate_tps, 1),
         "rollout_vllm_tokens_vs_generate": round(rollout_tps / generate_tps, 3),
@@ -214,13 +236,16 @@ def bench_vllm_against_generate(bootstrap: str, model: Path, workdir: Path) -> d
         "rollout_vllm_tokens_vs_generate_by_step": round(rollout_tps / by_step_tps, 3),
         "rollout_vllm_engine_busy": round(counts["engine_busy_s"] / counts["generation_s"], 3),
         "rollout_vllm_tokens_per_engine_step": round(counts["generated_tokens"] / counts["engine_steps"], 1),
-        "rollout_vllm_generate_tokens_per_engine_step": round(offline["generated_tokens"]
-                                                              / offline["generate_engine_steps"], 1),
-        "rollout_vllm_generate_by_step_tokens_per_engine_step": round(offline["by_step_generated_tokens"]
-                                                                      / offline["by_step_engine_steps"], 1),
-        "rollout_vllm_same_actions": round(same, 3),
+        "rollout_vllm_generate_tokens_per_engine_step": round(one_call["generated_tokens"]
+                                                              / one_call["generate_engine_steps"], 1),
+        "rollout_vllm_generate_by_step_tokens_per_engine_step": round(by_step["by_step_generated_tokens"]
+                                                                      / by_step["by_step_engine_steps"], 1),
+        "rollout_vllm_same_actions": round(min(same), 3),
         "rollout_vllm_concurrency": VLLM_CONCURRENCY,
-        "rollout_vllm_engine_max_num_seqs": offline["max_num_seqs"],
+        "rollout_vllm_engine_max_num_seqs": one_call["max_num_seqs"],
+        "rollout_vllm_repeats": repeats,
+        "rollout_vllm_tokens_vs_generate_pair_min": round(min(pairs), 3),
+        "rollout_vllm_tokens_vs_generate_pair_max": round(max(pairs), 3),
     }
 
 
