@@ -53,8 +53,8 @@ def run_offline_generate(request: dict) -> dict:
 
     Returns:
         ``{"prompts", "generated_tokens", "generate_s", "generate_engine_steps", "load_s", "token_ids",
-        "by_step_generated_tokens", "by_step_generate_s", "by_step_engine_steps", "max_num_seqs"}`` (the last: the engine's batch width, its scheduler's
-        ``max_num_seqs``).
+        "by_step_generated_tokens", "by_step_generate_s", "by_step_engine_steps", "max_num_seqs"}``
+        (the last: the engine's batch width, its scheduler's ``max_num_seqs``).
     """
     from rollout.policies.vllm import configure_cpu_env, llm_kwargs
 
