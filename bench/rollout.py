@@ -218,14 +218,19 @@ def bench_vllm_against_generate(bootstrap: str, model: Path, workdir: Path, *, r
         rollouts.append(counts)
         offlines.append(offline)
         same.append(sum(a == b for a, b in zip(recorded.actions, offline["token_ids"])) / len(recorded.actions))
-    counts = max(rollouts, key=lambda c: c["generated_tokens"] / c["generation_s"])
-    one_call = max(offlines, key=lambda o: o["generated_tokens"] / o["generate_s"])
-    by_step = max(offlines, key=lambda o: o["by_step_generated_tokens"] / o["by_step_generate_s"])
-    pairs = [c["generated_tokens"] / c["generation_s"] / (o["generated_tokens"] / o["generate_s"])
-             for c, o in zip(rollouts, offlines)]  # each rollout against the reference run right after it
-    rollout_tps = counts["generated_tokens"] / counts["generation_s"]
-    generate_tps = one_call["generated_tokens"] / one_call["generate_s"]
-    by_step_tps = by_step["by_step_generated_tokens"] / by_step["by_step_generate_s"]
+    def rollout_rate(c: dict) -> float:
+        return c["generated_tokens"] / c["generation_s"]
+
+    def one_call_rate(o: dict) -> float:
+        return o["generated_tokens"] / o["generate_s"]
+
+    def by_step_rate(o: dict) -> float:
+        return o["by_step_generated_tokens"] / o["by_step_generate_s"]
+
+    counts, one_call, by_step = max(rollouts, key=rollout_rate), max(offlines, key=one_call_rate), \
+        max(offlines, key=by_step_rate)
+    pairs = [rollout_rate(c) / one_call_rate(o) for c, o in zip(rollouts, offlines)]  # each with the reference after it
+    rollout_tps, generate_tps, by_step_tps = rollout_rate(counts), one_call_rate(one_call), by_step_rate(by_step)
     return {
         "rollout_vllm_episodes_per_s": round(max(c["episodes_per_s"] for c in rollouts), 3),
         "rollout_vllm_load_s": round(min(c["load_s"] for c in rollouts), 1),
