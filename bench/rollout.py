@@ -88,7 +88,7 @@ from streams.config import KafkaConnection, Topics
 from streams.consumer import end_offsets, ranges_from, read_range
 from streams.producer import EventProducer
 
-__all__ = ["RecordedRequests", "bench_rollout", "bench_vllm_against_generate"]
+__all__ = ["RecordedRequests", "bench_rollout", "bench_vllm_against_generate", "vllm_figures"]
 
 DOMAINS = ["code", "math", "docqa", "tools"]
 MODEL_EPISODES = 16  # hf
@@ -198,9 +198,8 @@ def _run_offline_generate(model: Path, workdir: Path, recorded: RecordedRequests
 def bench_vllm_against_generate(bootstrap: str, model: Path, workdir: Path, *, repeats: int = VLLM_REPEATS) -> dict:
     """The vLLM rollout's episodes/s and generated tokens/s, against offline ``generate`` over its prompts.
 
-    ``repeats`` pairs, each a rollout and then the offline reference over that rollout's prompts; the best
-    figure of each side counts (as in ``bench.pipeline``: the shared machine's noise only ever slows a run
-    down), the width and busy figures are the best rollout's, ``rollout_vllm_same_actions`` the lowest.
+    ``repeats`` pairs, each a rollout and then the offline reference over that rollout's prompts; the
+    figures of the pairs: :func:`vllm_figures` (as in ``bench.pipeline``, the best of each side counts).
 
     Returns:
         The ``rollout_vllm_*`` figures of the module docstring.
@@ -218,6 +217,24 @@ def bench_vllm_against_generate(bootstrap: str, model: Path, workdir: Path, *, r
         rollouts.append(counts)
         offlines.append(offline)
         same.append(sum(a == b for a, b in zip(recorded.actions, offline["token_ids"])) / len(recorded.actions))
+    return vllm_figures(rollouts, offlines, same)
+
+
+def vllm_figures(rollouts: list[dict], offlines: list[dict], same: list[float]) -> dict:
+    """The ``rollout_vllm_*`` figures of ``len(rollouts)`` pairs, each a rollout and the offline run after it.
+
+    Args:
+        rollouts: each rollout's last-line counts (``generated_tokens``, ``generation_s``, ``engine_busy_s``,
+            ``engine_steps``, ``episodes_per_s``) plus ``load_s``.
+        offlines: each offline reference's answer (``bench.vllm_offline``: ``generated_tokens``,
+            ``generate_s``, ``generate_engine_steps``, the ``by_step_*`` figures, ``max_num_seqs``).
+        same: each pair's share of offline actions equal to the recorded ones.
+
+    The best figure of each side counts (the shared machine's noise only ever slows a run down): the
+    rollout's rate, width and busy share are those of its fastest run, the one-call and by-step
+    references each their fastest run's, ``rollout_vllm_same_actions`` the lowest pair's;
+    ``_pair_min`` / ``_pair_max`` are the pairs' own ratios, each rollout against the reference run after it.
+    """
     def rollout_rate(c: dict) -> float:
         return c["generated_tokens"] / c["generation_s"]
 
@@ -248,7 +265,7 @@ def bench_vllm_against_generate(bootstrap: str, model: Path, workdir: Path, *, r
         "rollout_vllm_same_actions": round(min(same), 3),
         "rollout_vllm_concurrency": VLLM_CONCURRENCY,
         "rollout_vllm_engine_max_num_seqs": one_call["max_num_seqs"],
-        "rollout_vllm_repeats": repeats,
+        "rollout_vllm_repeats": len(rollouts),
         "rollout_vllm_tokens_vs_generate_pair_min": round(min(pairs), 3),
         "rollout_vllm_tokens_vs_generate_pair_max": round(max(pairs), 3),
     }
