@@ -244,8 +244,9 @@ def vllm_figures(rollouts: list[dict], offlines: list[dict], same: list[float]) 
     def by_step_rate(o: dict) -> float:
         return o["by_step_generated_tokens"] / o["by_step_generate_s"]
 
-    counts, one_call, by_step = max(rollouts, key=rollout_rate), max(offlines, key=one_call_rate), \
-        max(offlines, key=by_step_rate)
+    counts = max(rollouts, key=rollout_rate)
+    one_call = max(offlines, key=one_call_rate)
+    by_step = max(offlines, key=by_step_rate)
     pairs = [rollout_rate(c) / one_call_rate(o) for c, o in zip(rollouts, offlines)]  # each with the reference after it
     rollout_tps, generate_tps, by_step_tps = rollout_rate(counts), one_call_rate(one_call), by_step_rate(by_step)
     return {
