@@ -42,13 +42,14 @@ from typing import Any, List, Tuple
 
 import apache_beam as beam
 import msgspec
-from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions
 from kafka.errors import KafkaError
 
 from pipelines import testhooks
 from pipelines.archive_source import ArchiveFile, ReadArchiveEpisodes, list_archive_files, split_episode_ids
 from pipelines.assemble import INCOMPLETE_TAG, PENDING_TAG
-from pipelines.beam_overhead import ViewCachingOptions, memoize_signatures, shorten_state_sampling
+from pipelines.beam_overhead import (ViewCachingOptions, in_process_pickles, memoize_signatures,
+                                     shorten_state_sampling)
 from pipelines.commit import (
     CommitConflict,
     DatasetLayout,
@@ -118,6 +119,12 @@ _ARCHIVE_BYTES_PER_EVENT = 2048
 IN_PLACE_MAX_PARTITION_EVENTS = 1_000_000
 
 
+def _in_process(runner_name: str, options: PipelineOptions | None) -> bool:
+    """Whether the run's Beam workers are this process (and its forks): FnApiRunner, not ``multi_processing``."""
+    mode = (options or PipelineOptions([])).view_as(DirectOptions).direct_running_mode
+    return runner_name == "FnApiRunner" and mode != "multi_processing"
+
+
 def _make_runner(name: str):
     # Named explicitly: the default DirectRunner may try to download Prism.
     if name == "FnApiRunner":
@@ -163,12 +170,15 @@ def run_batch(*, out: str | Path, recipe: Recipe, input: BatchInput | testhooks.
     layout = DatasetLayout(out=str(out), version=recipe.version, recipe_hash=recipe.content_hash)
     with commit_lock(layout, waiting=lambda: _LOG.warning(
             "another run is committing %s in %s; waiting for its commit lock", recipe.version, out)):
+        # Beam's pickles of an in-process run stay in this process and its forks: zlib, not bzip2 (beam_overhead.py).
+        in_process = _in_process(kwargs.get("runner_name", "FnApiRunner"), kwargs.get("options"))
         try:
-            with prestart_scope():  # forked read tasks may start while the pipeline is built (pipelines/forked.py)
+            # forked read tasks may start while the pipeline is built (pipelines/forked.py)
+            with prestart_scope(), in_process_pickles(in_process):
                 return _run_batch_locked(out=out, recipe=recipe, input=input, **kwargs)
         except _InPlaceCollision as err:
             _LOG.warning("%s; the micro-batch is made again through the shuffle (nothing was committed)", err)
-            with prestart_scope():
+            with prestart_scope(), in_process_pickles(in_process):
                 return _run_batch_locked(out=out, recipe=recipe, input=input, **kwargs, in_place=False)
 
 

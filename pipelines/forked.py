@@ -81,6 +81,8 @@ from apache_beam.metrics.execution import MetricsEnvironment
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
+from pipelines.beam_overhead import read_zlib_pickles
+
 __all__ = ["ChainStage", "ForkedChain", "ForkedWorkerDied", "LAZY_IMPORTS", "close_pools", "in_global_window",
            "output_tag", "per_task", "usable_cpus", "worker_pids"]
 
@@ -268,6 +270,7 @@ def _init_worker() -> None:
     tasks went ~0.16 → ~0.05 CPU-s (0.45 before the freeze).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    read_zlib_pickles()  # the chains it is sent may be pickled in the driver's in_process_pickles
     gc.set_threshold(*_WORKER_GC_THRESHOLD)
     gc.freeze()  # what came with the fork lives as long as the worker: the collector's full passes skip it
     parent = os.getppid()

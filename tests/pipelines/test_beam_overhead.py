@@ -1,17 +1,28 @@
-"""pipelines/beam_overhead.py: cached views and memoized signatures change nothing Beam computes; sampling still samples."""
+"""pipelines/beam_overhead.py: cached views and memoized signatures change nothing Beam computes; sampling still
+samples; zlib pickles only inside in_process_pickles (or Beam's harness thread), readable with bzip2 ones."""
 
 from __future__ import annotations
 
+import base64
+import bz2
 import functools
+import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 
 import apache_beam as beam
 from apache_beam.options.pipeline_options import DebugOptions, PipelineOptions, StandardOptions, TypeOptions
 from apache_beam.transforms import core
 from apache_beam.typehints import decorators
 
-from pipelines.beam_overhead import (STATE_SAMPLING_PERIOD_MS, ViewCachingOptions, memoize_signatures,
-                                     shorten_state_sampling)
+from apache_beam.internal import cloudpickle_pickler, pickler
+from apache_beam.options.pipeline_options import DirectOptions
+
+from pipelines import forked
+from pipelines.batch_job import _in_process
+from pipelines.beam_overhead import (STATE_SAMPLING_PERIOD_MS, ViewCachingOptions, in_process_pickles,
+                                     memoize_signatures, read_zlib_pickles, shorten_state_sampling)
 
 
 class _Fn(beam.DoFn):
@@ -124,3 +135,72 @@ def test_shortened_state_sampling_still_samples(monkeypatch):
     msecs = [monitoring_infos.extract_counter_value(mi) for mi in result.monitoring_infos()
              if mi.urn == monitoring_infos.PROCESS_BUNDLE_MSECS_URN and mi.labels.get("PTRANSFORM", "").endswith("Sleep")]
     assert msecs and max(msecs) >= 250  # the 0.3 s in process(), sampled every <= 10 ms
+
+
+def _compression(encoded: bytes) -> str:
+    raw = base64.b64decode(encoded)
+    return {b"B": "bzip2", b"x": "zlib"}[raw[:1]]
+
+
+def _dumps_in_thread(name: str, obj) -> bytes:
+    out = []
+    t = threading.Thread(target=lambda: out.append(pickler.dumps(obj)), name=name)
+    t.start()
+    t.join()
+    return out[0]
+
+
+def test_pickles_are_zlib_only_inside_in_process_pickles_and_both_kinds_read():
+    read_zlib_pickles()
+    read_zlib_pickles()  # idempotent
+    obj = {"fn": _Fn(), "n": list(range(50))}
+    stock = base64.b64encode(bz2.compress(cloudpickle_pickler._dumps(obj), 9))  # as Beam made it before the switch
+    outside = pickler.dumps(obj)
+    with in_process_pickles():
+        inside = pickler.dumps(obj)
+        other_thread = _dumps_in_thread("Thread-x", obj)  # the flag is this thread's
+        with in_process_pickles(False):  # disabled: changes nothing, the enclosing setting holds
+            nested = pickler.dumps(obj)
+        with in_process_pickles():  # nested: the outer setting comes back on its exit
+            pass
+        still = pickler.dumps(obj)
+    after = pickler.dumps(obj)
+    assert [_compression(e) for e in (stock, outside, inside, other_thread, nested, still, after)] == [
+        "bzip2", "bzip2", "zlib", "bzip2", "zlib", "zlib", "bzip2"]
+    for encoded in (stock, outside, inside, after):
+        back = pickler.loads(encoded)
+        assert back["n"] == list(range(50)) and isinstance(back["fn"], _Fn)
+    with in_process_pickles(False):
+        assert _compression(pickler.dumps(obj)) == "bzip2"
+
+
+def test_beams_harness_thread_pickles_with_zlib():
+    """What the SDK harness pickles while it builds a bundle's operations, it reads in the same process."""
+    read_zlib_pickles()
+    assert _compression(_dumps_in_thread("ExecutionTreeCreator_0", [1, 2])) == "zlib"
+    assert pickler.loads(_dumps_in_thread("ExecutionTreeCreator_0", [1, 2])) == [1, 2]
+
+
+def test_a_worker_forked_before_the_switch_reads_zlib_pickles():
+    """A forked-chain worker forked before this process first read zlib pickles reads them (its initializer)."""
+    cloudpickle_pickler.bz2 = bz2  # as before any in-process run here
+    try:
+        with ProcessPoolExecutor(1, mp_context=get_context("fork"), initializer=forked._init_worker) as pool:
+            assert pool.submit(abs, -1).result() == 1  # the worker exists now, forked without the switch
+            with in_process_pickles():
+                blob = pickler.dumps({"n": [1, 2, 3]})
+            assert _compression(blob) == "zlib"
+            assert pool.submit(pickler.loads, blob).result() == {"n": [1, 2, 3]}
+    finally:
+        read_zlib_pickles()
+
+
+def test_only_an_in_process_run_makes_zlib_pickles():
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    multi = PipelineOptions(["--direct_running_mode=multi_processing"])
+    assert multi.view_as(DirectOptions).direct_running_mode == "multi_processing"
+    assert _in_process("FnApiRunner", None)
+    assert _in_process("FnApiRunner", PipelineOptions(["--direct_running_mode=multi_threading"]))
+    assert not _in_process("FnApiRunner", multi)  # its SDK workers are fresh interpreters: bzip2 only
+    assert not _in_process("PrismRunner", None) and not _in_process("FlinkRunner", None)
