@@ -107,6 +107,26 @@ def test_memoized_dofn_specs_equal_beams():
             patched(_Duplicate())
 
 
+class _YieldsAndReturns(beam.DoFn):
+    def process(self, element):
+        if element:
+            return [element]
+        yield element
+
+
+def test_memoized_yield_return_check_equals_beams():
+    memoize_signatures()
+    patched = core._check_fn_use_yield_and_return
+    original = patched.__wrapped__
+    assert patched._trajpipe_memoized and not getattr(original, "_trajpipe_memoized", False)
+    fns = [_YieldsAndReturns().process, _YieldsAndReturns().process, _Fn().process, _Stateful().process,
+           lambda x: [x], len, functools.partial(len)]
+    for fn in fns * 2:  # twice: the second answers come from the memo
+        assert patched(fn) == original(fn), fn
+    assert patched(_YieldsAndReturns().process) is True and patched(_Fn().process) is False
+    assert core.ParDo(_YieldsAndReturns()).fn.__class__ is _YieldsAndReturns  # ParDo still builds
+
+
 class _Sleepy(beam.DoFn):
     def process(self, element):
         time.sleep(0.3)
