@@ -106,6 +106,32 @@ _BOUND: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 _PLAIN: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
+def _per_function(original: Any, *, bound: "weakref.WeakKeyDictionary[Any, Any]",
+                  plain: "weakref.WeakKeyDictionary[Any, Any]") -> Any:
+    """``original`` (a function of one callable) remembering its answers per Python function.
+
+    A bound method's answer is kept in ``bound`` under its function (it does not depend on the
+    instance), a function's in ``plain``; anything else (builtins, callable objects, classes) is
+    passed through. The wrapper is marked ``_trajpipe_memoized`` and keeps ``original`` as ``__wrapped__``.
+    """
+
+    def memoized(fn):
+        if isinstance(fn, types.MethodType) and isinstance(fn.__func__, types.FunctionType):
+            cache, key = bound, fn.__func__
+        elif isinstance(fn, types.FunctionType):
+            cache, key = plain, fn
+        else:
+            return original(fn)
+        got = cache.get(key)
+        if got is None:
+            got = cache[key] = original(fn)
+        return got
+
+    memoized._trajpipe_memoized = True  # type: ignore[attr-defined]
+    memoized.__wrapped__ = original  # type: ignore[attr-defined]
+    return memoized
+
+
 def memoize_signatures() -> None:
     """Make Beam's ``get_signature`` remember its answers (idempotent; see the module docstring).
 
@@ -120,20 +146,7 @@ def memoize_signatures() -> None:
     if getattr(original, "_trajpipe_memoized", False):
         return
 
-    def get_signature(func):
-        if isinstance(func, types.MethodType) and isinstance(func.__func__, types.FunctionType):
-            cache, key = _BOUND, func.__func__
-        elif isinstance(func, types.FunctionType):
-            cache, key = _PLAIN, func
-        else:
-            return original(func)
-        sig = cache.get(key)
-        if sig is None:
-            sig = cache[key] = original(func)
-        return sig
-
-    get_signature._trajpipe_memoized = True  # type: ignore[attr-defined]
-    get_signature.__wrapped__ = original  # type: ignore[attr-defined]
+    get_signature = _per_function(original, bound=_BOUND, plain=_PLAIN)
     for module in (decorators, core, ptransform, util):  # every module that imported the name
         if getattr(module, "get_signature", None) is original:
             module.get_signature = get_signature
@@ -153,21 +166,8 @@ def _memoize_yield_return_check() -> None:
     if original is None or getattr(original, "_trajpipe_memoized", False):
         return  # a Beam without the check, or already wrapped
 
-    def check(fn):
-        if isinstance(fn, types.MethodType) and isinstance(fn.__func__, types.FunctionType):
-            key = fn.__func__
-        elif isinstance(fn, types.FunctionType):
-            key = fn
-        else:
-            return original(fn)
-        got = _YIELD_RETURN.get(key)
-        if got is None:
-            got = _YIELD_RETURN[key] = original(fn)
-        return got
-
-    check._trajpipe_memoized = True  # type: ignore[attr-defined]
-    check.__wrapped__ = original  # type: ignore[attr-defined]
-    core._check_fn_use_yield_and_return = check  # ParDo.__init__ looks it up on the module
+    # ParDo.__init__ looks it up on the module; a method's answer is its function's
+    core._check_fn_use_yield_and_return = _per_function(original, bound=_YIELD_RETURN, plain=_YIELD_RETURN)
 
 
 #: Per DoFn class: per set of class methods its instance hides, ``(state specs, timer specs)``.
