@@ -259,9 +259,10 @@ class _PickleCompression:
 def read_zlib_pickles() -> None:
     """Make Beam's cloudpickle pickler read zlib pickles too, and compress through :class:`_PickleCompression` (idempotent).
 
-    Outside :func:`in_process_pickles` nothing it writes changes. Call it in every process that
-    may read a pickle made inside one: this one, and a process forked before it was called
-    (:func:`pipelines.forked._init_worker` does).
+    Outside :func:`in_process_pickles` what it writes changes only in the SDK harness's
+    ``ExecutionTreeCreator`` thread, whose pickles are read back in the same process. Call it in
+    every process that may read a pickle made inside one: this one, and a process forked before
+    it was called (:func:`pipelines.forked._init_worker` does).
     """
     from apache_beam.internal import cloudpickle_pickler
 
