@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import marshal
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
@@ -28,6 +29,8 @@ __all__ = [
     "split_action",
     "RECORD_MAX_CHARS",
     "command_observation",
+    "RUNNER_PRELUDE",
+    "runner_input",
 ]
 
 #: stdout/stderr characters kept per stream when a command is recorded in a Step.
@@ -143,6 +146,50 @@ def make_task_id(domain: str, difficulty: int, seed: int, index: int) -> str:
 def dump_json(doc: Any) -> str:
     """Compact, key-sorted JSON (stable bytes for the same document)."""
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+_RUNNER_HELPERS = r"""
+def _json_str(s):
+    out = []
+    for c in s:
+        o = ord(c)
+        if c == '"' or c == '\\':
+            out.append('\\' + c)
+        elif 0x20 <= o < 0x7f:
+            out.append(c)
+        elif c in '\b\f\n\r\t':
+            out.append('\\' + 'bfnrt'['\b\f\n\r\t'.index(c)])
+        elif o < 0x10000:
+            out.append('\\u%04x' % o)
+        else:
+            o -= 0x10000
+            out.append('\\u%04x\\u%04x' % (0xd800 | (o >> 10), 0xdc00 | (o & 0x3ff)))
+    return '"' + ''.join(out) + '"'
+def _result(**fields):
+    print("RESULT {" + ", ".join(_json_str(k) + ": " + (str(v) if type(v) is int else _json_str(v))
+                               for k, v in fields.items()) + "}")
+"""
+
+#: The first line of the scripts the environments start inside their sandboxes (the code domain's test
+#: runner, the tools domain's output check) with ``python -I -S``: it defines ``_result``, which prints the
+#: ``RESULT {...}`` line :func:`rollout.verifiers.parse_test_summary` reads exactly as ``json.dumps`` would
+#: (``_json_str`` is ``json.dumps`` of a string, with its default ``ensure_ascii``; tested against it).
+#: Such a script reads its document from stdin with ``marshal`` (:func:`runner_input` writes it): neither
+#: needs a module beyond those the interpreter starts with, where ``json`` pulls in ``re`` and ``enum``,
+#: ~12 ms of CPU a sandboxed run on top of the interpreter's ~7 (docs/rollout.md, "Runner scripts").
+#: One line (an ``exec`` of the helpers' source), so the lines of what follows, which a traceback the
+#: test runner prints names, are those they had when the scripts imported ``json``.
+RUNNER_PRELUDE = f"exec({_RUNNER_HELPERS!r})"
+
+
+def runner_input(doc: Any) -> bytes:
+    """The stdin of a sandboxed runner script: ``doc`` as ``json.loads(json.dumps(doc))`` gives it, marshalled.
+
+    The round trip through JSON keeps what the script sees what it saw when it read JSON (tuples become
+    lists, keys strings); marshal's format 4 is read by every Python 3 from 3.4 on, whatever interpreter
+    :func:`rollout.sandbox.sandbox_python` picks.
+    """
+    return marshal.dumps(json.loads(json.dumps(doc)), 4)
 
 
 def _clip(text: str, limit: int) -> tuple[str, bool]:

@@ -22,11 +22,11 @@ dir, so the policy cannot read them; failures it sees are the failing cases.
 
 from __future__ import annotations
 
-import json
 import random
 from typing import Callable
 
 from rollout.envs.base import (
+    RUNNER_PRELUDE,
     EnvironmentFailure,
     Outcome,
     StepOutcome,
@@ -35,6 +35,7 @@ from rollout.envs.base import (
     dump_json,
     make_task_id,
     record_command,
+    runner_input,
     split_action,
 )
 from rollout.sandbox import Sandbox, SandboxError, sandbox_python
@@ -48,24 +49,41 @@ SOLUTION_FILE = "solution.py"
 
 # Runs inside the sandbox: reads {"func", "cases"} from stdin *before* importing
 # the solution, prints one line per failing case and a final RESULT line.
-_TEST_RUNNER = r"""
-import json, sys, traceback
-spec = json.loads(sys.stdin.read())
+_TEST_RUNNER = RUNNER_PRELUDE + r"""
+import marshal, sys
+spec = marshal.loads(sys.stdin.buffer.read())
 sys.path.insert(0, "/work")
 failures, passed = [], 0
 try:
     # compiled from source every time: a stale __pycache__ must never answer for new code
-    import types
-    solution = types.ModuleType("solution")
+    ModuleType = type(sys)  # types.ModuleType, without importing types
+    solution = ModuleType("solution")
     solution.__file__ = "/work/solution.py"
     sys.modules["solution"] = solution
     with open("/work/solution.py", encoding="utf-8") as fh:
         exec(compile(fh.read(), "/work/solution.py", "exec"), solution.__dict__)
     fn = getattr(solution, spec["func"])
 except BaseException as err:
-    tb = traceback.format_exc(limit=2)
+    # traceback.format_exc(limit=2), written by the interpreter's own printer (no import): each
+    # exception of the chain cut to its first two frames, as format_exc's limit does
+    seen, todo = set(), [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.__traceback__ is not None and e.__traceback__.tb_next is not None:
+            e.__traceback__.tb_next.tb_next = None
+        todo += [e.__cause__, e.__context__]
+    import io  # loaded with the interpreter's standard streams: no import cost
+    shown, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        sys.__excepthook__(type(err), err, err.__traceback__)
+        tb = sys.stderr.getvalue()
+    finally:
+        sys.stderr = shown
     print(tb[-1500:])
-    print("RESULT " + json.dumps({"passed": 0, "total": len(spec["cases"]), "error": type(err).__name__}))
+    _result(passed=0, total=len(spec["cases"]), error=type(err).__name__)
     sys.exit(1)
 for args, expected in spec["cases"]:
     try:
@@ -77,7 +95,7 @@ for args, expected in spec["cases"]:
     else:
         failures.append(f"FAIL {spec['func']}{tuple(args)!r}: expected {expected!r}, got {got!r}")
 print("\n".join(failures[:10]))
-print("RESULT " + json.dumps({"passed": passed, "total": len(spec["cases"])}))
+_result(passed=passed, total=len(spec["cases"]))
 sys.exit(0 if passed == len(spec["cases"]) else 1)
 """
 
@@ -293,7 +311,7 @@ class CodeEnv:
             self._sb = None
 
     def _run_tests(self):
-        payload = json.dumps({"func": self._task.spec["func"], "cases": self._task.spec["cases"]})
+        payload = runner_input({"func": self._task.spec["func"], "cases": self._task.spec["cases"]})
         return self._sb.run([sandbox_python(), "-I", "-S", "-B", "-c", _TEST_RUNNER],
                             stdin=payload, timeout_s=self.test_timeout_s)
 

@@ -26,12 +26,12 @@ and aggregate per key, 2 = extract, count and rank codes from log files
 
 from __future__ import annotations
 
-import json
 import random
 from collections import Counter
 from typing import Callable
 
 from rollout.envs.base import (
+    RUNNER_PRELUDE,
     EnvironmentFailure,
     Outcome,
     StepOutcome,
@@ -40,6 +40,7 @@ from rollout.envs.base import (
     dump_json,
     make_task_id,
     record_command,
+    runner_input,
     split_action,
 )
 from rollout.sandbox import Sandbox, SandboxError, SnapshotId, sandbox_python
@@ -50,9 +51,9 @@ __all__ = ["ToolsEnv", "generate_task", "reference_commands", "MAX_DIFFICULTY"]
 DOMAIN = "tools"
 MAX_DIFFICULTY = 2
 
-_CHECK_SCRIPT = r"""
-import json, sys
-expected = json.loads(sys.stdin.read())
+_CHECK_SCRIPT = RUNNER_PRELUDE + r"""
+import marshal, sys
+expected = marshal.loads(sys.stdin.buffer.read())
 passed, lines = 0, []
 for path, want in sorted(expected.items()):
     try:
@@ -67,7 +68,7 @@ for path, want in sorted(expected.items()):
     else:
         lines.append(f"WRONG {path}: first lines {got.splitlines()[:3]!r}")
 print("\n".join(lines))
-print("RESULT " + json.dumps({"passed": passed, "total": len(expected)}))
+_result(passed=passed, total=len(expected))
 sys.exit(0 if passed == len(expected) else 1)
 """
 
@@ -216,7 +217,7 @@ class ToolsEnv:
 
     def _check(self):
         return self._sb.run([sandbox_python(), "-I", "-S", "-c", _CHECK_SCRIPT],
-                            stdin=json.dumps(self._task.spec["expected"]), timeout_s=self.command_timeout_s,
+                            stdin=runner_input(self._task.spec["expected"]), timeout_s=self.command_timeout_s,
                             track_files=False)
 
     def _after_command(self, ok: bool) -> str:
