@@ -77,8 +77,10 @@ from typing import Any, NamedTuple
 import apache_beam as beam
 from apache_beam.internal import pickler
 from apache_beam.metrics.cells import CounterCell, DistributionCell
-from apache_beam.metrics.execution import MetricsEnvironment
+from apache_beam.metrics.execution import MetricsContainer, MetricsEnvironment
+from apache_beam.runners.worker import statesampler
 from apache_beam.transforms.window import GlobalWindow
+from apache_beam.utils.counters import CounterFactory
 from apache_beam.utils.windowed_value import WindowedValue
 
 from pipelines.beam_overhead import read_zlib_pickles
@@ -371,20 +373,31 @@ def _run_chain(chain: Sequence[ChainStage], elements: Sequence[Any]) -> _Result:
 
 
 def _work(token: str, blob: bytes, elements: Sequence[Any]) -> _Result:
-    """In a forked worker: run the chain ``token`` over ``elements``; collect the Beam metrics they updated."""
+    """In a forked worker: run the chain ``token`` over ``elements``; collect the Beam metrics they updated.
+
+    Beam sends a metric update to the calling thread's state tracker (the bundle's, in the driver). A
+    worker's thread has whatever tracker the forking thread had: the bundle's that forked it, or none
+    at all where the pool was forked outside a bundle (tasks started as the pipeline is built,
+    ``prestart``; the pool a later run keeps), where every update was dropped. So each task runs under a
+    tracker of its own, whose one state holds a fresh container: this task's updates, all of them.
+    """
     chain = _chain(token, blob)
-    container = MetricsEnvironment.current_container()  # the driver's when it forked, copied
-    if container is not None:
-        container.metrics = {}  # count only this task's updates (the copy; the driver's is untouched)
-    result = _run_chain(chain, elements)
-    if container is not None:
-        for key, cell in container.metrics.items():
-            name = (key.metric_name.namespace, key.metric_name.name)
-            if isinstance(cell, CounterCell):
-                result.counters[name] = cell.get_cumulative()
-            elif isinstance(cell, DistributionCell):
-                d = cell.get_cumulative()
-                result.distributions[name] = (d.sum, d.count, d.min, d.max)
+    container = MetricsContainer("forked")
+    tracker = statesampler.StateSampler("forked", CounterFactory())  # not started: no sampling thread
+    outer = statesampler.get_current_tracker()
+    statesampler.set_current_tracker(tracker)
+    try:
+        with tracker.scoped_state("forked", "process", metrics_container=container):
+            result = _run_chain(chain, elements)
+    finally:
+        statesampler.set_current_tracker(outer)
+    for key, cell in container.metrics.items():
+        name = (key.metric_name.namespace, key.metric_name.name)
+        if isinstance(cell, CounterCell):
+            result.counters[name] = cell.get_cumulative()
+        elif isinstance(cell, DistributionCell):
+            d = cell.get_cumulative()
+            result.distributions[name] = (d.sum, d.count, d.min, d.max)
     return result
 
 

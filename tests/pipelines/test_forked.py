@@ -276,11 +276,15 @@ class _Slow(beam.DoFn):
 
     def __init__(self, where: str) -> None:
         self._where = where
+        self._seen = Metrics.counter("test", "slow_seen")
+        self._sizes = Metrics.distribution("test", "slow_size")
 
     def process(self, x):
         import time
 
         time.sleep(0.2)
+        self._seen.inc()
+        self._sizes.update(x)
         if x == -2:
             raise ValueError("value -2 is not allowed")
         with open(os.path.join(self._where, f"{x}.done"), "w") as f:
@@ -309,6 +313,26 @@ def test_prestarted_tasks_run_while_the_pipeline_is_built_and_are_taken_by_the_p
         assert not any(forked_module._PRESTARTED.values())  # all four taken, none run twice
     assert sorted(_COLLECTED["main"]) == [1, 4, 9, 16, 25]
     assert sorted(f.name for f in tmp_path.iterdir()) == [f"{x}.done" for x in elements]
+
+
+def test_prestarted_tasks_and_later_runs_on_their_pool_count_their_metrics(tmp_path):
+    """The pool is forked as the pipeline is built, outside any bundle (its workers inherit no state tracker,
+    where Beam sends metric updates): the tasks' counters and distributions still reach the run's metrics, in
+    that run and in a later one whose tasks go to the same workers without prestart."""
+    close_pools()  # a pool forked here, by the prestart
+    for run, prestart in ((1, True), (2, False)):
+        elements = [run * 10 + i for i in range(5)]
+        where = tmp_path / str(run)
+        where.mkdir()
+        with forked_module.prestart_scope():
+            p = _build(str(where), elements, prestart=elements if prestart else None)
+            result = p.run()
+            result.wait_until_finish()
+        query = result.metrics().query(MetricsFilter().with_namespace("test"))
+        assert [c.committed for c in query["counters"] if c.key.metric.name == "slow_seen"] == [5]
+        sizes = [d.committed for d in query["distributions"] if d.key.metric.name == "slow_size"]
+        assert len(sizes) == 1 and (sizes[0].min, sizes[0].max) == (min(elements), max(elements))
+        assert sorted(_COLLECTED["main"]) == [x * x for x in elements]
 
 
 def test_prestart_outside_a_scope_or_with_other_elements_runs_the_elements_the_pardo_gets(tmp_path):

@@ -15,8 +15,11 @@ import pytest
 from kafka import KafkaProducer
 from kafka.admin import KafkaAdminClient, NewTopic
 
+from pipelines import batch_job
+from pipelines.forked import close_pools
 from pipelines.frames import IN_PLACE_DIR, InPlaceLedger, in_place_collisions
 from pipelines.inputs import KafkaInput
+from pipelines.job_counts import counts_from_metrics
 from pipelines.recipes import load_recipe
 from pipelines.trajectory_job import run_batch
 from schemas.codec import encode_event
@@ -67,9 +70,20 @@ def _topic(bootstrap: str, name: str, partitions: int) -> None:
 
 
 @pytest.mark.integration
-def test_in_place_rows_equal_the_shuffles_across_micro_batches(tansu_broker, topic_name, tmp_path):
+def test_in_place_rows_equal_the_shuffles_across_micro_batches(tansu_broker, topic_name, tmp_path, monkeypatch):
     """Three partitions, two micro-batches; an episode cut by the first batch's end waits as pending and is
-    completed through the shuffle in the second; a junk record is a dead letter. Both ways, the same."""
+    completed through the shuffle in the second; a junk record is a dead letter. Both ways, the same; and
+    the runner's metrics (counted in the forked workers, whose pool the first run forks as it builds the
+    pipeline) are the counts staged with the files."""
+    metrics = []
+    compare = batch_job._compare_with_metrics
+
+    def _compare(counts, result):
+        metrics.append((counts_from_metrics(result)[0], counts))
+        compare(counts, result)
+
+    monkeypatch.setattr(batch_job, "_compare_with_metrics", _compare)
+    close_pools()
     _topic(tansu_broker.bootstrap, topic_name, 3)
     conn = KafkaConnection(bootstrap_servers=tansu_broker.bootstrap, client_id="trajpipe-test", request_timeout_ms=5_000)
     eps = episodes(24, seed=7)
@@ -90,6 +104,14 @@ def test_in_place_rows_equal_the_shuffles_across_micro_batches(tansu_broker, top
     assert (c1["episodes"], c1["pending_episodes"], c1["dead_letters"], c1["events_in"]) == (12, 1, 1, len(first))
     assert (c2["episodes"], c2["pending_episodes"], c2["events_in"]) == (12, 0, len(second))
     _same_rows(tmp_path / "True", tmp_path / "False")
+    assert len(metrics) == 4
+    for got, staged in metrics:
+        assert {k: got[k] for k in _COUNTED} == {k: staged[k] for k in _COUNTED}
+
+
+#: Counts the job's DoFns count as Beam metrics (the others come from the staged files alone).
+_COUNTED = ("events_in", "episodes", "dead_letters", "events_used", "events_incomplete", "events_pending_out",
+            "pending_episodes", "groups_released")
 
 
 @pytest.mark.integration
