@@ -87,6 +87,9 @@ _SOLUTIONS = {
     "syntax": "def add(a, b:\n    return a + b\n",
     "deep": ("def a():\n    return b()\ndef b():\n    try:\n        return {}['k']\n    except KeyError as e:\n"
              "        raise ValueError('bad') from e\nv = a()\n"),
+    "deep_cause": ("def a():\n    return b()\ndef b():\n    return c()\ndef c():\n    return 1 / 0\n"
+                   "def d():\n    try:\n        a()\n    except ZeroDivisionError:\n        return e()\n"
+                   "def e():\n    raise RuntimeError('while handling')\nd()\n"),
     "no_function": "def other():\n    pass\n",
     "exits": "raise SystemExit(3)\n",
     "odd_name": "E = type('we\"ird\\\\ \u00e9', (Exception,), {})\nraise E('m\u00e9ss\\nage')\n",
