@@ -124,9 +124,12 @@ def test_check_script_prints_what_the_json_one_did(sandbox, files):
 
 
 def test_runners_import_nothing_beyond_the_interpreters_start(sandbox):
-    """``-X importtime`` lists every module a run imports: none of json, re, enum, traceback, types."""
-    sandbox.write_file("solution.py", _SOLUTIONS["missing"] or _SOLUTIONS["syntax"])
-    for script, stdin in ((_TEST_RUNNER, runner_input(_SPEC)), (_CHECK_SCRIPT, runner_input({"a": "b"}))):
+    """``-X importtime`` lists every module a run imports: none of json, re, enum, traceback, types (the test
+    runner over a solution that loads and one that does not, which prints a traceback)."""
+    runs = [("passes", _TEST_RUNNER, runner_input(_SPEC)), ("syntax", _TEST_RUNNER, runner_input(_SPEC)),
+            ("syntax", _CHECK_SCRIPT, runner_input({"a": "b"}))]
+    for solution, script, stdin in runs:
+        sandbox.write_file("solution.py", _SOLUTIONS[solution])
         res = sandbox.run([sandbox_python(), "-I", "-S", "-B", "-X", "importtime", "-c", script], stdin=stdin,
                           timeout_s=10)
         imported = {line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines() if "|" in line}
