@@ -11,6 +11,14 @@
 
 Both sides of a ratio run interleaved, ``repeats`` times each, and the best
 time of each counts (the shared machine's noise only ever slows a run down).
+
+Beside the wall times, the CPU time each Kafka side used (least of the repeats):
+``raw_consume_cpu_s`` (this process; the consume is one thread's work) and
+``pipeline_kafka_cpu_s`` (this process, all threads, and the job's forked workers:
+:func:`bench.scale.job_cpu_s`), and ``pipeline_kafka_cpu_vs_raw_consume``, raw CPU over
+the job's. The neighbours of a shared machine move CPU time far less than wall time, and
+the two bound each other: on ``c`` cores the wall ratio can be at most ``c`` times the CPU
+ratio (less where the job leaves a core idle).
 The input is 10,000 synthetic episodes (~100k events, ~200 MB): big enough
 that the job's fixed cost (building and translating the Beam pipeline, ~1 s)
 is a small part of its time, as in a real micro-batch.
@@ -18,6 +26,7 @@ is a small part of its time, as in a real micro-batch.
 
 from __future__ import annotations
 
+import resource
 import shutil
 import time
 import uuid
@@ -25,6 +34,7 @@ from pathlib import Path
 
 from kafka import KafkaProducer
 
+from bench.scale import job_cpu_s
 from pipelines.bench import bench_archive
 from pipelines.inputs import KafkaInput
 from pipelines.recipes import load_recipe
@@ -56,11 +66,12 @@ def bench_pipeline(bootstrap: str, workdir: Path, *, n_episodes: int = 10_000, r
     producer.close()
     ranges = ranges_from(topic=topic, start={}, end=end_offsets(conn, topic))
 
-    raw_s, fast_s, job_s = [], [], []
+    raw_s, fast_s, job_s, raw_cpu, job_cpu = [], [], [], [], []
     for i in range(repeats):
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _own_cpu_s()
         consumed = sum(len(batch) for batch in read_range(conn, ranges))
         raw_s.append(time.perf_counter() - t0)
+        raw_cpu.append(_own_cpu_s() - cpu0)
         if consumed != n_events:
             raise RuntimeError(f"raw consume read {consumed} of {n_events} events")
         t0 = time.perf_counter()
@@ -70,9 +81,10 @@ def bench_pipeline(bootstrap: str, workdir: Path, *, n_episodes: int = 10_000, r
         if fetched != n_events:
             raise RuntimeError(f"PartitionReader read {fetched} of {n_events} events")
         out = workdir / f"from-kafka-{i}"
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), job_cpu_s()
         counts = run_batch(out=out, recipe=load_recipe("outcome"), input=KafkaInput(conn=conn, topic=topic))
         job_s.append(time.perf_counter() - t0)
+        job_cpu.append(job_cpu_s() - cpu0)
         if counts["events_in"] != n_events:
             raise RuntimeError(f"the job read {counts['events_in']} of {n_events} events")
         shutil.rmtree(out)
@@ -85,5 +97,14 @@ def bench_pipeline(bootstrap: str, workdir: Path, *, n_episodes: int = 10_000, r
         "fast_fetch_events_per_s": round(n_events / min(fast_s)),
         "pipeline_kafka_events_per_s": round(n_events / min(job_s)),
         "pipeline_kafka_vs_raw_consume": round(min(raw_s) / min(job_s), 3),
+        "raw_consume_cpu_s": round(min(raw_cpu), 3),
+        "pipeline_kafka_cpu_s": round(min(job_cpu), 3),
+        "pipeline_kafka_cpu_vs_raw_consume": round(min(raw_cpu) / min(job_cpu), 3),
     })
     return figures
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process, all its threads."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return own.ru_utime + own.ru_stime

@@ -91,7 +91,7 @@ def _copies(pool: list[list[Event]]) -> Iterator[list[Event]]:
         copy += 1
 
 
-def _cpu_s() -> float:
+def job_cpu_s() -> float:
     """CPU seconds of this process (all threads; FnApiRunner runs the job in it) and of the job's forked workers.
 
     The workers (pipelines/forked.py) outlive a run: the kept ones are read from ``/proc``, the
@@ -151,9 +151,9 @@ def bench_scale(bootstrap: str, workdir: Path, *, max_events: int | None = None)
             producer.flush()
             in_topic = sum(end_offsets(conn, topic).values())
             out = workdir / f"out-{key}"
-            t0, cpu0 = time.perf_counter(), _cpu_s()
+            t0, cpu0 = time.perf_counter(), job_cpu_s()
             counts = run_batch(out=out, recipe=recipe, input=KafkaInput(conn=conn, topic=topic))
-            wall_s, cpu_s = time.perf_counter() - t0, _cpu_s() - cpu0
+            wall_s, cpu_s = time.perf_counter() - t0, job_cpu_s() - cpu0
             shutil.rmtree(out)
             reconcile(counts, expected_in=in_topic)
             figures[f"pipeline_events_s_{key}"] = round(in_topic / wall_s)
