@@ -87,8 +87,15 @@ class KafkaConnection(msgspec.Struct, kw_only=True, frozen=True):
         return [s.strip() for s in self.bootstrap_servers.split(",") if s.strip()]
 
     def client_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments shared by kafka-python's producer, consumer and admin client."""
+        """Keyword arguments shared by kafka-python's producer, consumer and admin client.
+
+        ``kafka_client`` is :func:`streams.kafka_net.net_client`: kafka-python's network client
+        without its warning about a large fetch's parse "blocking the event loop".
+        """
+        from streams.kafka_net import net_client  # kafka-python imports only where a client is built
+
         kw: dict[str, Any] = {
+            "kafka_client": net_client,
             "bootstrap_servers": self.servers,
             "client_id": self.client_id,
             "security_protocol": self.security_protocol,

@@ -179,8 +179,8 @@ class PartitionReader:
         self._timeout_ms = conn.request_timeout_ms
         self._conn = conn
         check_kafka(conn)  # kafka-python reports a refused password as a bootstrap timeout; say what it is
-        self._client = KafkaNetClient(**conn.client_kwargs(),
-                                      receive_message_max_bytes=max_partition_fetch_bytes + _FRAME_SLACK)
+        kw = conn.client_kwargs()
+        self._client = kw.pop("kafka_client")(**kw, receive_message_max_bytes=max_partition_fetch_bytes + _FRAME_SLACK)
         # kafka-python 3.0 builds the cluster metadata without the client's `retry_backoff_ms`, so a refresh
         # within 100 ms of the last one (the first fetch's, right after bootstrap's) waits out the rest of
         # the 100 ms: ~0.1 s per reader for nothing. Broker-down backoff is separate (KIP-580, unchanged).

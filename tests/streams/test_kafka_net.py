@@ -1,0 +1,82 @@
+"""kafka-python's network client as this project builds it: no false "blocking the event loop" warning on a large
+fetch, no ERROR for a metadata refresh cancelled by a close (streams/kafka_net.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import kafka.errors as Errors
+import pytest
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+
+import streams.kafka_net as kafka_net
+from streams.admin import ensure_topics
+from streams.consumer import end_offsets, ranges_from, read_range
+from streams.fetch import PartitionReader, read_partition
+
+
+def _cluster_log() -> logging.Logger:
+    return logging.getLogger("kafka.cluster")
+
+
+def test_a_refresh_cancelled_by_a_close_is_debug_not_error(caplog):
+    caplog.set_level(logging.INFO, logger="kafka.cluster")
+    _cluster_log().error("Metadata refresh: failed %s", Errors.Cancelled())
+    assert [r for r in caplog.records if r.name == "kafka.cluster"] == []
+
+    caplog.set_level(logging.DEBUG, logger="kafka.cluster")
+    _cluster_log().error("Metadata refresh: failed %s", Errors.Cancelled())
+    (record,) = [r for r in caplog.records if r.name == "kafka.cluster"]
+    assert (record.levelname, record.getMessage()) == ("DEBUG", "Metadata refresh: failed Cancelled")
+
+
+def test_a_refresh_that_really_failed_is_still_an_error(caplog):
+    caplog.set_level(logging.INFO, logger="kafka.cluster")
+    _cluster_log().error("Metadata refresh: failed %s", Errors.KafkaConnectionError("broker gone"))
+    _cluster_log().error("something else: %s", Errors.Cancelled())
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "kafka.cluster"] == [
+        ("ERROR", "Metadata refresh: failed KafkaConnectionError: broker gone"),
+        ("ERROR", "something else: Cancelled"),
+    ]
+
+
+@pytest.mark.integration
+def test_every_client_kind_gets_the_threshold(conn, monkeypatch):
+    """Producer, consumer, admin client and PartitionReader are all built by net_client (a spy counts them)."""
+    built = []
+    real = kafka_net.KafkaNetClient
+
+    def spy(**configs):
+        built.append(configs.get("slow_task_threshold_secs"))
+        return real(**configs)
+
+    monkeypatch.setattr(kafka_net, "KafkaNetClient", spy)
+    for make in (lambda: KafkaProducer(**conn.client_kwargs()), lambda: KafkaConsumer(**conn.client_kwargs()),
+                 lambda: KafkaAdminClient(**conn.client_kwargs()), lambda: PartitionReader(conn)):
+        client = make()
+        client.close()
+    assert built == [kafka_net.SLOW_STEP_WARN_S] * 4
+
+
+@pytest.mark.integration
+def test_large_fetches_log_no_warning(conn, topics, caplog):
+    """30 MB of incompressible records in one partition, read by a consumer and by the job's reader.
+
+    With kafka-python's own threshold (0.1 s) this logged "Task ... ran for 0.103s ... It is blocking the
+    event loop" on this machine (two of two runs of 20 MB); every record still arrives.
+    """
+    caplog.set_level(logging.INFO)
+    ensure_topics(conn, topics)
+    producer = KafkaProducer(**conn.client_kwargs(), linger_ms=20, batch_size=1 << 20, max_request_size=8 << 20)
+    for _ in range(300):
+        producer.send(topics.events, key=b"one-key", value=os.urandom(100_000))
+    producer.flush()
+    producer.close()
+    ranges = ranges_from(topic=topics.events, start={}, end=end_offsets(conn, topics.events))
+    assert sum(len(batch) for batch in read_range(conn, ranges, stall_timeout_s=10)) == 300
+    with PartitionReader(conn) as reader:
+        assert sum(len(c) for r in ranges for c in read_partition(reader, r, stall_timeout_s=10)) == 300
+    noisy = [(r.name, r.levelname, r.getMessage()) for r in caplog.records
+             if r.name.startswith("kafka") and r.levelno >= logging.WARNING]
+    assert noisy == []
