@@ -72,29 +72,36 @@ class WorkDir:
         """Write a file (parents created), owned by the sandbox uid.
 
         Raises:
-            SandboxError: the path escapes the work dir or goes through a symlink.
+            SandboxError: the path escapes the work dir or goes through a symlink, or the work dir
+                cannot take it (the target is a directory, a parent is a file, a name too long, a
+                NUL byte, a directory the sandboxed code made unwritable, ...): paths come from
+                the policy's actions, and what the sandboxed code did to the work dir is its own.
         """
         data = content.encode() if isinstance(content, str) else content
-        rel = Path(os.fspath(path).removeprefix(WORK_MOUNT + "/"))
-        current = self.work
-        for part in rel.parts[:-1]:
-            current = current / part
-            if current.is_symlink():
-                raise SandboxError(f"path {path!r} goes through a symlink")
-            if not current.exists():
-                current.mkdir(mode=0o755)
-                os.chown(current, self._uid, self._gid)
-        target = self.host_path(path)
         try:
+            rel = Path(os.fspath(path).removeprefix(WORK_MOUNT + "/"))
+            current = self.work
+            for part in rel.parts[:-1]:
+                current = current / part
+                if current.is_symlink():
+                    raise SandboxError(f"path {path!r} goes through a symlink")
+                if not current.exists():
+                    current.mkdir(mode=0o755)
+                    os.chown(current, self._uid, self._gid)
+            target = self.host_path(path)
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         except OSError as err:
             if err.errno == errno.ELOOP:
                 raise SandboxError(f"path {path!r} is a symlink; refusing to follow it") from err
-            raise
+            raise SandboxError(f"cannot write {path!r}: {err.strerror or err}") from err
+        except ValueError as err:  # a NUL byte in the path
+            raise SandboxError(f"cannot write {path!r}: {err}") from err
         try:
             os.write(fd, data)
             os.fchown(fd, self._uid, self._gid)
             os.fchmod(fd, mode)
+        except OSError as err:  # a full disk, a file size limit
+            raise SandboxError(f"cannot write {path!r}: {err.strerror or err}") from err
         finally:
             os.close(fd)
 
@@ -102,17 +109,19 @@ class WorkDir:
         """Read a work-dir file.
 
         Raises:
-            SandboxError: the path escapes the work dir or is a symlink.
+            SandboxError: the path escapes the work dir, is a symlink, or is no readable file.
         """
-        target = self.host_path(path)
         try:
+            target = self.host_path(path)
             fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as fh:
+                return fh.read() if max_bytes is None else fh.read(max_bytes)
         except OSError as err:
             if err.errno == errno.ELOOP:
                 raise SandboxError(f"path {path!r} is a symlink; refusing to follow it") from err
-            raise
-        with os.fdopen(fd, "rb") as fh:
-            return fh.read() if max_bytes is None else fh.read(max_bytes)
+            raise SandboxError(f"cannot read {path!r}: {err.strerror or err}") from err
+        except ValueError as err:  # a NUL byte in the path
+            raise SandboxError(f"cannot read {path!r}: {err}") from err
 
     def manifest(self) -> dict[str, tuple]:
         """Cheap fingerprint of the work dir: path -> (kind, size, mtime_ns, hash|None)."""

@@ -97,6 +97,23 @@ def test_tools_failed_step_is_rolled_back(sandbox_root):
         env.close()
 
 
+@pytest.mark.parametrize("domain", ["code", "tools"])
+def test_a_write_to_a_directory_is_a_failed_step_not_a_crash(domain, sandbox_root):
+    """A make bench eval episode's policy wrote to a path its own RUN had made a directory: the env raised
+    IsADirectoryError and the episode ended as "environment crashed" with a traceback. Now the step fails."""
+    env = _env(domain, sandbox_root)
+    task = generate_tasks(domain, 1, seed=5, difficulty=1)[0]
+    try:
+        env.reset(task)
+        assert env.step("RUN mkdir 'solution.txt > out'").exit_status == 0
+        out = env.step("WRITE solution.txt > out\nhello\n")
+        assert out.exit_status == 1 and out.tool_name == "write_file"
+        assert "write failed: cannot write 'solution.txt > out': Is a directory" in out.observation
+        assert env.step("RUN echo still here").exit_status == 0
+    finally:
+        env.close()
+
+
 def test_code_env_reports_syntax_errors_and_tests(sandbox_root):
     env = _env("code", sandbox_root)
     task = generate_tasks("code", 1, seed=2, difficulty=0)[0]

@@ -115,3 +115,21 @@ def test_closed_sandbox_refuses_work(sandbox_root):
 def test_measure_start_reports_percentiles():
     out = measure_start(5)
     assert 0 < out["sandbox_start_p50_ms"] <= out["sandbox_start_p95_ms"]
+
+
+@pytest.mark.parametrize("setup, path", [
+    ("mkdir 'solution.txt > out'", "solution.txt > out"),  # the target is a directory (a make bench eval episode)
+    ("echo x > f", "f/inner.txt"),  # a parent is a file
+    ("true", "d/" + "n" * 300),  # a name longer than the file system takes
+    ("true", "a\0b"),  # a NUL byte in the path
+])
+def test_a_write_the_work_dir_cannot_take_is_a_sandbox_error(sandbox, setup, path):
+    """A path the policy chose (WRITE <path>) that cannot be written is one clear SandboxError, never an OSError
+    (the envs turn it into a failed step: "write failed: ..."); the sandbox goes on."""
+    assert sandbox.run(setup).exit_status == 0
+    with pytest.raises(SandboxError, match="cannot write"):
+        sandbox.write_file(path, "x")
+    with pytest.raises(SandboxError):
+        sandbox.read_file(path)
+    sandbox.write_file("ok.txt", "fine")
+    assert sandbox.read_file("ok.txt") == b"fine"
