@@ -28,7 +28,9 @@ no lock, so the protocol asks for neither):
 Of two archivers racing for commit ``n`` one commits; the log refuses the other
 (:class:`schemas.commit_log.CommitTaken`), which deletes its temporary files and raises
 :class:`ArchiveConflict` (nothing is lost: its offsets are in no manifest, so the next run reads
-them again). Recovery never touches temporary files of a commit not made yet (a live rival's).
+them again). Recovery never touches temporary files of a commit not made yet (a live rival's); those
+of a made commit that does not name their run it removes, even while the losing rival still writes
+them, which then finds one gone and raises the same conflict.
 An archive of the earlier layout (one ``_commits/<n>.json`` file per manifest) is read as it is,
 and its first archiver run imports the manifests into the log, byte for byte, then removes them.
 
@@ -475,12 +477,21 @@ def write_commit(
         rel = f"bucket={b:02d}/c{commit:08d}.parquet"
         tmp = _at(root, _tmp_name(rel, run))
         fs, path = loc.filesystem(tmp)
-        if isinstance(root, Path):
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(table, path, filesystem=fs, compression="zstd")  # on S3 one object, whole or absent
-        if isinstance(root, Path):
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
+        try:
+            if isinstance(root, Path):
+                tmp.parent.mkdir(parents=True, exist_ok=True)
+            pq.write_table(table, path, filesystem=fs, compression="zstd")  # on S3 one object, whole or absent
+            if isinstance(root, Path):
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+        except FileNotFoundError:
+            # A rival that made this commit meanwhile ran its recovery, which removes the temporary files
+            # of a made commit that does not name their run: ours. That is the conflict, found early.
+            if _snapshot(root).head < commit:
+                raise
+            for gone in (*tmps, tmp):
+                loc.delete_file(gone)
+            raise _conflict(root, commit, len(events)) from None
         files.append(rel)
         rows.append(table.num_rows)
         tmps.append(tmp)

@@ -156,6 +156,42 @@ def test_recover_rolls_forward_a_committed_manifest(tmp_path):
     assert final.exists() and not other.exists() and committed_files(root) == [final]
 
 
+def test_a_loser_whose_files_a_winners_recovery_removed_mid_write_gets_the_conflict(tmp_path, monkeypatch):
+    """The race of test_two_archivers_at_once_...: the winner makes commit 1 and runs its recovery while the
+    loser still writes commit 1's files; the recovery removes them (a commit made that does not name their
+    run) and the loser's fsync found no file: it ended with "error: [Errno 2] No such file or directory"
+    instead of the conflict. It is the conflict: nothing of the loser's is left, the winner's commit stands."""
+    import pyarrow.parquet as pq
+
+    from schemas.events import Feedback
+    from streams import archive
+    from streams.archive import ArchiveConflict, _snapshot, write_commit
+
+    root = tmp_path / "a"
+    evs = [Feedback(event_id=f"f{i}", episode_id=f"e{i}", seq=0, producer_id="p", domain="d", task_id="t",
+                    source="s") for i in range(8)]
+    write_commit(root, commit=1, topic="t", buckets=4, events=evs[:1], positions=[(0, 0)], offsets={}, run="w0")
+    planned = _snapshot(root)  # both plan commit 2 from here
+    real_write = pq.write_table
+    raced = []
+
+    def write_then_lose(table, path, **kw):
+        real_write(table, path, **kw)
+        if not raced:  # after the loser's first file: the winner commits 2, then recovers
+            raced.append(path)
+            monkeypatch.setattr(archive.pq, "write_table", real_write)
+            write_commit(root, commit=2, topic="t", buckets=4, events=evs[1:2], positions=[(0, 1)], offsets={},
+                         run="winner")
+            assert recover_archive(root) >= 1  # the loser's file of commit 2: removed
+
+    monkeypatch.setattr(archive.pq, "write_table", write_then_lose)
+    with pytest.raises(ArchiveConflict, match="another archiver made commit 2"):
+        write_commit(root, commit=2, topic="t", buckets=4, events=evs[2:], positions=[(0, i) for i in range(2, 8)],
+                     offsets={}, run="loser", snapshot=planned)
+    assert raced and not list(root.rglob("*.loser.tmp"))
+    assert [c.events for c in read_commits(root)] == [1, 1]
+
+
 def test_recover_adds_a_commit_missing_from_the_delta_table(tmp_path):
     """A crash after the renames, before the Delta transaction: recovery adds the commit, once."""
     import shutil
