@@ -26,6 +26,13 @@ __all__ = ["SnapshotId", "WorkDir", "diff_manifests", "has_file_of_size"]
 SnapshotId = NewType("SnapshotId", str)
 
 
+def _path_error(path: str | os.PathLike[str], verb: str, err: OSError | ValueError) -> SandboxError:
+    """The one-line error of a host-side read or write of ``path`` that failed with ``err``."""
+    if isinstance(err, OSError) and err.errno == errno.ELOOP:
+        return SandboxError(f"path {path!r} is a symlink; refusing to follow it")
+    return SandboxError(f"cannot {verb} {path!r}: {getattr(err, 'strerror', None) or err}")
+
+
 def _nofollow_opener(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
 
@@ -90,18 +97,14 @@ class WorkDir:
                     os.chown(current, self._uid, self._gid)
             target = self.host_path(path)
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-        except OSError as err:
-            if err.errno == errno.ELOOP:
-                raise SandboxError(f"path {path!r} is a symlink; refusing to follow it") from err
-            raise SandboxError(f"cannot write {path!r}: {err.strerror or err}") from err
-        except ValueError as err:  # a NUL byte in the path
-            raise SandboxError(f"cannot write {path!r}: {err}") from err
+        except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
+            raise _path_error(path, "write", err) from err
         try:
             os.write(fd, data)
             os.fchown(fd, self._uid, self._gid)
             os.fchmod(fd, mode)
         except OSError as err:  # a full disk, a file size limit
-            raise SandboxError(f"cannot write {path!r}: {err.strerror or err}") from err
+            raise _path_error(path, "write", err) from err
         finally:
             os.close(fd)
 
@@ -116,12 +119,8 @@ class WorkDir:
             fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             with os.fdopen(fd, "rb") as fh:
                 return fh.read() if max_bytes is None else fh.read(max_bytes)
-        except OSError as err:
-            if err.errno == errno.ELOOP:
-                raise SandboxError(f"path {path!r} is a symlink; refusing to follow it") from err
-            raise SandboxError(f"cannot read {path!r}: {err.strerror or err}") from err
-        except ValueError as err:  # a NUL byte in the path
-            raise SandboxError(f"cannot read {path!r}: {err}") from err
+        except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
+            raise _path_error(path, "read", err) from err
 
     def manifest(self) -> dict[str, tuple]:
         """Cheap fingerprint of the work dir: path -> (kind, size, mtime_ns, hash|None)."""
