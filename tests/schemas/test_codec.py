@@ -45,6 +45,22 @@ def test_token_arrays_are_packed_not_float_lists(one_of_each):
     np.testing.assert_array_equal(back.behaviour_logprobs, step.behaviour_logprobs)
 
 
+def test_the_arrays_fast_path_writes_the_bytes_the_general_one_does(one_of_each):
+    """The encoder takes TokenIds / LogProbs by type and dtype identity; any other int32 / float32 array
+    (a plain ndarray set on the event after it was built) takes the general path: same frame either way."""
+    step = one_of_each[1]
+    plain = msgspec.structs.replace(step)
+    for name in ("observation_token_ids", "action_token_ids", "behaviour_logprobs"):
+        setattr(plain, name, np.array(getattr(step, name)))  # a plain ndarray, not the view type
+        assert type(getattr(plain, name)) is np.ndarray
+    assert encode_event(plain) == encode_event(step)
+    assert decode_event(encode_event(step)) == step
+    swapped = msgspec.structs.replace(step)
+    swapped.action_token_ids = step.action_token_ids.astype(">i4")  # not int32 as stored
+    with pytest.raises(EventEncodeError, match="cannot encode"):
+        encode_event(swapped)
+
+
 @pytest.fixture
 def good(one_of_each):
     return encode_event(one_of_each[1])
