@@ -20,25 +20,78 @@ def _cluster_log() -> logging.Logger:
     return logging.getLogger("kafka.cluster")
 
 
+class _Net:
+    _io_thread = None  # no IO thread: the client's loop runs on the caller's, as before kafka-python started one
+
+
+class _Client:
+    """What net_client's close marking reads of a client: its selector's IO thread."""
+
+    _net = _Net()
+
+
+def _log_while_closing(*errors) -> None:
+    """Log a failed refresh for each of ``errors`` from inside a close marked as net_client marks it."""
+    def close():
+        for err in errors:
+            _cluster_log().error("Metadata refresh: failed %s", err)
+
+    kafka_net._close_marked(_Client(), close)
+
+
 def test_a_refresh_cancelled_by_a_close_is_debug_not_error(caplog):
     caplog.set_level(logging.INFO, logger="kafka.cluster")
-    _cluster_log().error("Metadata refresh: failed %s", Errors.Cancelled())
+    _log_while_closing(Errors.Cancelled(), RuntimeError("Transport closed for writes"))
     assert [r for r in caplog.records if r.name == "kafka.cluster"] == []
 
     caplog.set_level(logging.DEBUG, logger="kafka.cluster")
-    _cluster_log().error("Metadata refresh: failed %s", Errors.Cancelled())
-    (record,) = [r for r in caplog.records if r.name == "kafka.cluster"]
-    assert (record.levelname, record.getMessage()) == ("DEBUG", "Metadata refresh: failed Cancelled")
+    _log_while_closing(Errors.Cancelled(), RuntimeError("Transport closed for writes"))
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "kafka.cluster"] == [
+        ("DEBUG", "Metadata refresh: failed Cancelled"),
+        ("DEBUG", "Metadata refresh: failed Transport closed for writes"),
+    ]
+    assert kafka_net._CLOSING == {}  # the mark ends with the close
 
 
 def test_a_refresh_that_really_failed_is_still_an_error(caplog):
+    """Another cause, another message, or the same two outside a close (a connection the broker dropped)."""
     caplog.set_level(logging.INFO, logger="kafka.cluster")
-    _cluster_log().error("Metadata refresh: failed %s", Errors.KafkaConnectionError("broker gone"))
+    _log_while_closing(Errors.KafkaConnectionError("broker gone"))
     _cluster_log().error("something else: %s", Errors.Cancelled())
+    _cluster_log().error("Metadata refresh: failed %s", Errors.Cancelled())
+    _cluster_log().error("Metadata refresh: failed %s", RuntimeError("Transport closed for writes"))
     assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "kafka.cluster"] == [
         ("ERROR", "Metadata refresh: failed KafkaConnectionError: broker gone"),
         ("ERROR", "something else: Cancelled"),
+        ("ERROR", "Metadata refresh: failed Cancelled"),
+        ("ERROR", "Metadata refresh: failed Transport closed for writes"),
     ]
+
+
+@pytest.mark.integration
+def test_clients_closed_mid_refresh_log_no_error(conn, topics, caplog):
+    """Forty rounds of the clients the jobs build and close, each closed right after a refresh was asked for.
+
+    Before the close was marked: 30 such rounds logged "Metadata refresh: failed Cancelled" 11 times and
+    "Metadata refresh: failed Transport closed for writes" twice, all at ERROR, all on the closing clients'
+    IO threads (the kind is a race: a round may log neither).
+    """
+    ensure_topics(conn, topics)
+    caplog.set_level(logging.DEBUG, logger="kafka.cluster")
+    for _ in range(40):
+        end_offsets(conn, topics.events)
+        with PartitionReader(conn) as reader:
+            reader._client.cluster.request_update()
+        producer = KafkaProducer(**conn.client_kwargs())
+        producer.send(topics.events, b"x")
+        producer.close()
+        consumer = KafkaConsumer(topics.events, **conn.client_kwargs())
+        consumer.poll(timeout_ms=10)
+        consumer.close()
+    failed = [(r.levelname, r.getMessage()) for r in caplog.records
+              if r.name == "kafka.cluster" and r.getMessage().startswith("Metadata refresh: failed")]
+    assert [f for f in failed if f[0] != "DEBUG"] == []
+    assert kafka_net._CLOSING == {}
 
 
 @pytest.mark.integration
