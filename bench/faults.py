@@ -138,6 +138,26 @@ def _last_json(text: str) -> dict | None:
     return None
 
 
+def tail_lines(text: str, n: int) -> str:
+    r"""The last ``n`` characters of ``text`` from the first line that starts in them.
+
+    Examples:
+        >>> tail_lines("recipe {...}\nerror: cannot reach Kafka\n", 30)
+        'error: cannot reach Kafka\n'
+        >>> tail_lines("one line longer than n", 6)  # no line starts in the tail: the plain cut
+        'than n'
+        >>> tail_lines("short", 100)
+        'short'
+    """
+    if len(text) <= n:
+        return text
+    tail = text[-n:]
+    if text[-n - 1] == "\n":
+        return tail
+    cut = tail.find("\n")
+    return tail[cut + 1:] if 0 <= cut < len(tail) - 1 else tail
+
+
 class _Proc:
     """One run of a role's command, its output in files."""
 
@@ -171,7 +191,10 @@ class _Proc:
         return self.out_path.read_text(errors="replace")
 
     def stderr_tail(self, n: int = 2000) -> str:
-        return self.err_path.read_text(errors="replace")[-n:]
+        """The last ``n`` characters of its stderr, from the first whole line in them (one line longer than
+        ``n`` is cut). Was a plain cut, which began the bench log's "exited 2 unasked" lines mid-line with
+        the end of the recipe the job prints before its error line."""
+        return tail_lines(self.err_path.read_text(errors="replace"), n)
 
 
 class _Cluster:
