@@ -18,8 +18,8 @@ logs two things on a healthy run of this project that read like faults:
   after, and that thread's refresh task finds its request cancelled or, not sent yet, its
   connection closed. Measured: 30 rounds of an end-offset lookup, a :class:`~streams.fetch.PartitionReader`,
   a producer and a consumer, each built and closed, logged 11 and 2 such records, all on the
-  closing clients' IO threads; ``make bench`` logs had ~1 in 3 reads and jobs, and three of the
-  second kind in three runs. :class:`CancelledRefreshFilter` makes them DEBUG records when the
+  closing clients' IO threads; in ``make bench`` logs the first came after ~1 in 3 reads and jobs,
+  the second once in each of three logs. :class:`CancelledRefreshFilter` makes them DEBUG records when the
   thread that logs them runs the network loop of a client whose ``close`` is under way
   (:func:`net_client` marks it); a refresh that fails for any other reason, or on a client not
   closing (a broker gone, a refused request, a connection the broker dropped), is still an ERROR.
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 from collections import Counter
 from typing import Any
@@ -66,8 +67,19 @@ _CLOSING_LOCK = threading.Lock()
 _TRANSPORT_CLOSED = "Transport closed for writes"
 
 
+def _after_fork_in_child() -> None:
+    """A forked process (the jobs' workers) starts with no close under way and a free lock: the thread that
+    held it, if one did at the fork, is not in the child."""
+    global _CLOSING_LOCK
+    _CLOSING_LOCK = threading.Lock()
+    _CLOSING.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _close_marked(client: KafkaNetClient, close: Any, node_id: Any = None) -> Any:
-    """``client.close``; while it runs, records its loop thread logs are those of a closing client."""
+    """Run ``client.close`` with its loop thread marked as closing: what that thread logs meanwhile is a closing client's."""
     if node_id is not None:  # one connection, not the client
         return close(node_id)
     io_thread = getattr(getattr(client, "_net", None), "_io_thread", None)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import time
 
 import kafka.errors as Errors
 import pytest
@@ -66,6 +68,26 @@ def test_a_refresh_that_really_failed_is_still_an_error(caplog):
         ("ERROR", "Metadata refresh: failed Cancelled"),
         ("ERROR", "Metadata refresh: failed Transport closed for writes"),
     ]
+
+
+def test_a_forked_worker_can_close_a_client_while_the_parent_held_the_mark_lock():
+    """The jobs fork their workers from a driver whose other threads may be closing a client at that moment."""
+    with kafka_net._CLOSING_LOCK:  # held across the fork, as a closing thread of the driver would
+        pid = os.fork()
+        if pid == 0:  # the child: a close must not wait for a lock no thread of it will release
+            try:
+                kafka_net._close_marked(_Client(), lambda: None)
+                os._exit(0 if kafka_net._CLOSING == {} else 3)
+            except BaseException:
+                os._exit(4)
+    deadline = time.monotonic() + 20
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on the mark lock")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 @pytest.mark.integration
