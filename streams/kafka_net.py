@@ -33,7 +33,6 @@ import functools
 import logging
 import os
 import threading
-from collections import Counter
 from typing import Any
 
 import kafka.errors as Errors
@@ -60,22 +59,15 @@ def net_client(**configs: Any) -> KafkaNetClient:
     return client
 
 
-#: Idents of the threads that run a closing client's network loop (its IO thread, or the caller's when it has
-#: none), with how many closes are under way on each.
-_CLOSING: Counter[int] = Counter()
-_CLOSING_LOCK = threading.Lock()
+#: Idents of the threads that run a closing client's network loop: its IO thread, or the caller's when it has
+#: none (each client has its own IO thread, and a caller runs one close at a time). Set operations are atomic
+#: under the GIL: no lock, so none a forked worker could inherit held.
+_CLOSING: set[int] = set()
 _TRANSPORT_CLOSED = "Transport closed for writes"
 
-
-def _after_fork_in_child() -> None:
-    """A forked process (the jobs' workers) starts with no close under way and a free lock: the thread that
-    held it, if one did at the fork, is not in the child."""
-    global _CLOSING_LOCK
-    _CLOSING_LOCK = threading.Lock()
-    _CLOSING.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+# A forked worker (the jobs fork theirs from the driver) starts with no close under way: a driver thread that
+# was closing a client at the fork is not in the child.
+os.register_at_fork(after_in_child=_CLOSING.clear)
 
 
 def _close_marked(client: KafkaNetClient, close: Any, node_id: Any = None) -> Any:
@@ -84,15 +76,11 @@ def _close_marked(client: KafkaNetClient, close: Any, node_id: Any = None) -> An
         return close(node_id)
     io_thread = getattr(getattr(client, "_net", None), "_io_thread", None)
     ident = io_thread.ident if io_thread is not None and io_thread.ident is not None else threading.get_ident()
-    with _CLOSING_LOCK:
-        _CLOSING[ident] += 1
+    _CLOSING.add(ident)
     try:
         return close()
     finally:
-        with _CLOSING_LOCK:
-            _CLOSING[ident] -= 1
-            if _CLOSING[ident] <= 0:
-                del _CLOSING[ident]
+        _CLOSING.discard(ident)
 
 
 class CancelledRefreshFilter(logging.Filter):
