@@ -489,9 +489,7 @@ def write_commit(
             # of a made commit that does not name their run: ours. That is the conflict, found early.
             if _snapshot(root).head < commit:
                 raise
-            for gone in (*tmps, tmp):
-                loc.delete_file(gone)
-            raise _conflict(root, commit, len(events)) from None
+            raise _lost(root, commit, len(events), [*tmps, tmp]) from None
         files.append(rel)
         rows.append(table.num_rows)
         tmps.append(tmp)
@@ -504,9 +502,7 @@ def write_commit(
     try:
         snapshot.commit(msgspec.json.encode(staged))
     except CommitTaken:
-        for tmp in tmps:
-            loc.delete_file(tmp)
-        raise _conflict(root, commit, len(events)) from None
+        raise _lost(root, commit, len(events), tmps) from None
     except CommitLogError as err:  # made or not: recovery moves or removes the files by the log
         raise ArchiveError(f"archive {root}: {err}") from err
     for tmp, rel in zip(tmps, files):
@@ -518,6 +514,13 @@ def write_commit(
         _catch_up_delta(root, read_commits(root, snapshot=snapshot)[: commit - 1])
     _publish_delta(root, manifest, rows)
     return manifest
+
+
+def _lost(root: Location, commit: int, events: int, tmps: Sequence[Location]) -> ArchiveConflict:
+    """A run that lost commit ``commit`` to a rival: its temporary files deleted, the conflict to raise."""
+    for tmp in tmps:
+        loc.delete_file(tmp)
+    return _conflict(root, commit, events)
 
 
 def _conflict(root: Location, commit: int, events: int) -> ArchiveConflict:
