@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import time
@@ -29,6 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 WEED = Path(os.environ.get("TRAJPIPE_CACHE", ROOT / ".cache")) / "bin" / "weed"
 #: Seconds to wait for the S3 gateway to answer (master, volume server, filer and gateway start in turn).
 START_TIMEOUT_S = 120.0
+#: The volume server's free-space floor (``-volume.minFreeSpace``). Below it SeaweedFS marks every volume
+#: read-only and a write then waits until the client gives up (pyarrow: "Operation too slow"; delta-rs: 180 s
+#: of retries) -- one CI run lost 30 tests that way on a 250 GiB disk shared with other jobs, 0.9 % free
+#: against the default floor of 1 % (2.5 GiB). The tests write tens of MiB, so the floor is absolute.
+MIN_FREE_BYTES = 512 * 2**20
 
 
 @dataclass
@@ -44,6 +50,7 @@ class S3Store:
         process: the ``weed server`` process (leader of its own process group).
         log: its combined stdout/stderr file.
         grpc_ports: its gRPC ports (weed also listens on ``/tmp/seaweedfs-<service>-grpc-<port>.sock``).
+        metrics_port: its Prometheus port (``/metrics``: the volume server's disk, free and available).
     """
 
     endpoint: str
@@ -54,6 +61,7 @@ class S3Store:
     process: subprocess.Popen | None = field(default=None, repr=False)
     log: Path | None = None
     grpc_ports: tuple[int, ...] = ()
+    metrics_port: int = 0
 
     def env(self) -> dict[str, str]:
         """The standard AWS variables a client (pyarrow, delta-rs, polars, DuckDB) uses to reach this store."""
@@ -76,10 +84,11 @@ def start_seaweedfs(workdir: Path, *, bucket: str = "trajpipe") -> S3Store:
 
     Every listener is on a free port of 127.0.0.1 (gRPC ports too: by default they are HTTP port +
     10000, which can exceed 65535 for an ephemeral port); the Iceberg and Lance catalogs are off and
-    so is the telemetry to seaweedfs.com.
+    so is the telemetry to seaweedfs.com. Its glog files go to ``workdir`` too (by default they pile up in /tmp).
 
     Raises:
         FileNotFoundError: no ``.cache/bin/weed`` (run ``make install``).
+        RuntimeError: under twice :data:`MIN_FREE_BYTES` free on ``workdir``'s disk (the message says so).
         RuntimeError: the gateway did not answer within :data:`START_TIMEOUT_S` (its log is in the message).
     """
     if not WEED.is_file():
@@ -87,12 +96,19 @@ def start_seaweedfs(workdir: Path, *, bucket: str = "trajpipe") -> S3Store:
                                 "(pipelines/runtime/install_seaweedfs.sh)")
     data, config, log = workdir / "data", workdir / "s3-identities.json", workdir / "weed.log"
     data.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(data).free
+    if free < 2 * MIN_FREE_BYTES:
+        raise RuntimeError(f"only {free / 2**20:.0f} MiB free under {data}: SeaweedFS would mark its volumes "
+                           f"read-only below {MIN_FREE_BYTES / 2**20:.0f} MiB and every write would hang; "
+                           "free some space (old clones, `uv cache prune`)")
     access_key, secret_key = f"AK{secrets.token_hex(8).upper()}", secrets.token_urlsafe(30)
     config.write_text(json.dumps(_identities(access_key, secret_key)))
     config.chmod(0o600)
     ports = {name: free_port() for name in ("master", "volume", "filer", "s3")}
-    args = [str(WEED), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+    metrics_port = free_port()
+    args = [str(WEED), f"-logdir={workdir}", "server", f"-dir={data}", f"-metricsPort={metrics_port}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             "-master.telemetry=false", "-master.volumeSizeLimitMB=64", "-volume.max=16",
+            f"-volume.minFreeSpace={MIN_FREE_BYTES // 2**20}MiB",
             "-filer", "-s3", f"-s3.config={config}", "-s3.port.iceberg=0", "-s3.port.lance=0",
             f"-filer.localSocket={workdir / 'filer.sock'}", f"-s3.localSocket={workdir / 's3.sock'}"]
     grpc_ports = {name: free_port() for name in ports}
@@ -102,7 +118,7 @@ def start_seaweedfs(workdir: Path, *, bucket: str = "trajpipe") -> S3Store:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     store = S3Store(endpoint=f"http://127.0.0.1:{ports['s3']}", bucket=bucket, access_key=access_key,
-                    secret_key=secret_key, process=proc, log=log, grpc_ports=tuple(grpc_ports.values()))
+                    secret_key=secret_key, process=proc, log=log, grpc_ports=tuple(grpc_ports.values()), metrics_port=metrics_port)
     fs = pafs.S3FileSystem(access_key=access_key, secret_key=secret_key, region=store.region,
                            endpoint_override=store.endpoint, allow_bucket_creation=True,
                            connect_timeout=2, request_timeout=5)

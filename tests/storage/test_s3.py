@@ -25,6 +25,7 @@ import pytest
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from schemas.storage import delta_storage_options, resolve
+from tests import s3_helpers
 
 # ~1 min on an idle machine (the server starts once per session)
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -53,6 +54,36 @@ def _commit(batch_id: str, *, app_id: str, version: int) -> CommitProperties:
 
 def _batch_ids(table: DeltaTable) -> list[str]:
     return [c[BATCH_KEY] for c in table.history() if BATCH_KEY in c]
+
+
+def test_a_disk_too_full_for_the_store_is_one_clear_error_before_any_server_starts(tmp_path, monkeypatch):
+    """Below its free-space floor SeaweedFS makes every volume read-only and writes hang until the clients time
+    out (30 tests x 180 s in one CI run): the fixture refuses to start instead, saying what to free."""
+    real = s3_helpers.shutil.disk_usage
+    monkeypatch.setattr(s3_helpers.shutil, "disk_usage",
+                        lambda path: real(path)._replace(free=s3_helpers.MIN_FREE_BYTES))
+    monkeypatch.setattr(s3_helpers.subprocess, "Popen", lambda *a, **kw: pytest.fail("a server was started"))
+    with pytest.raises(RuntimeError, match=r"only 512 MiB free under .* read-only below 512 MiB"):
+        s3_helpers.start_seaweedfs(tmp_path)
+
+
+def test_the_store_holds_its_volumes_writable_down_to_an_absolute_floor(s3_store):
+    """The volume server keeps :data:`~tests.s3_helpers.MIN_FREE_BYTES` of the disk back, not its default 1 % of it
+    (2.5 GiB of a 250 GiB disk): what it reports available is the disk's free space less exactly that floor."""
+    import re
+    import time
+    import urllib.request
+
+    for _ in range(3):  # a scrape can fall between the two gauges' updates (once a minute, microseconds apart)
+        with urllib.request.urlopen(f"http://127.0.0.1:{s3_store.metrics_port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        gauge = {m["type"]: float(m["value"]) for m in re.finditer(
+            r'^SeaweedFS_volumeServer_resource\{name="[^"]*",type="(?P<type>\w+)"\} (?P<value>\S+)$', text, re.M)}
+        assert {"free", "avail"} <= gauge.keys(), text[-2000:]
+        if gauge["free"] - gauge["avail"] == s3_helpers.MIN_FREE_BYTES:
+            break
+        time.sleep(1)
+    assert gauge["free"] - gauge["avail"] == s3_helpers.MIN_FREE_BYTES, gauge
 
 
 def test_parquet_round_trip_through_resolve(s3_env):
