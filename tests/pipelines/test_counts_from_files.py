@@ -7,7 +7,9 @@ report **no metrics at all** (as a runner without committed metrics does) →
 the counts it returns and writes into the manifest are still exact: they
 equal what polars reads from the committed files and what the topic holds,
 they reconcile (in = used + incomplete + pending + dead letters + duplicates
-+ late + feedback), and a rerun adds nothing.
++ late + feedback), and a rerun adds nothing. On the same records, the columnar
+split (pipelines/columnar.py) finds plain exactly the complete episodes without
+a replayed record.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import polars as pl
 import pytest
 from apache_beam.runners.portability.fn_api_runner import fn_runner
 
+from pipelines.columnar import event_columns, split_plain
 from pipelines.inputs import KafkaInput
 from pipelines.recipes import load_recipe
 from pipelines.trajectory_job import COUNT_KEYS, run_batch
+from schemas.codec import EventDecodeError, decode_event
 from schemas.manifests import read_dataset_manifests
 from streams.config import KafkaConnection
 from streams.consumer import end_offsets
@@ -93,3 +97,16 @@ def test_counts_are_exact_without_runner_metrics(kafka_broker, topic_name, tmp_p
     assert not (out / "_staging").exists()  # the count files went with the staging directory
 
     assert set(run_batch(**kw).values()) == {0}  # exactly once: a rerun adds nothing
+
+    # The columnar split (pipelines/columnar.py) on what the topic holds: the plain episodes are the complete ones
+    # with no replayed record; the others are left to the object path, which counts their duplicates.
+    by_episode: dict[str, list] = {}
+    for key, frame in records + replay + [(b"junk-episode", b"not an event frame")]:
+        try:
+            by_episode.setdefault(key.decode(), []).append(decode_event(frame))
+        except EventDecodeError:  # the junk record: a dead letter before the split
+            continue
+    split = split_plain(event_columns(list(by_episode.items())))
+    plain = {e for e, is_plain in zip(by_episode, split.plain) if is_plain}
+    replayed = {key.decode() for key, _ in replay}
+    assert plain == set(complete["episode_id"]) - replayed and plain and replayed
