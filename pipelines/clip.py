@@ -42,7 +42,7 @@ from pipelines.forked import ChainStage
 from pipelines.recipes import discounted_returns, gae_advantages
 from pipelines.types import METRICS_NAMESPACE, Episode
 
-__all__ = ["ClipTrajectories", "plan_clip", "clip_episode"]
+__all__ = ["ClipTrajectories", "plan_clip", "clip_episode", "fold_tail"]
 
 
 def plan_clip(action_tokens: np.ndarray, *, max_steps: int, max_action_tokens: int) -> tuple[int, int | None]:
@@ -56,6 +56,28 @@ def plan_clip(action_tokens: np.ndarray, *, max_steps: int, max_action_tokens: i
     last = keep - 1
     over = before[last] + action_tokens[last] - max_action_tokens if keep else 0
     return keep, (int(max_action_tokens - before[last]) if over > 0 else None)
+
+
+def fold_tail(rewards: np.ndarray, returns: np.ndarray, advantages: np.ndarray, *, keep: int, gamma: float,
+              lam: float, reward_min: float | None, reward_max: float | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rules 3 and 4 for one episode: its first ``keep`` steps' ``(r', G, A)``, the dropped tail's credit folded in.
+
+    New arrays; with nothing dropped (``keep`` = all steps) copies of the inputs. Shared by :func:`clip_episode`
+    and the columnar path (:func:`pipelines.columnar.clip_segments`), so both compute the same floats.
+
+    Examples:
+        >>> r = np.array([0.0, 0.0, 1.0]); G = np.array([1.0, 1.0, 1.0])
+        >>> [a.tolist() for a in fold_tail(r, G, G, keep=2, gamma=1.0, lam=1.0, reward_min=None, reward_max=None)]
+        [[0.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
+    """
+    r = rewards[:keep].copy()
+    G, A = returns[:keep].copy(), advantages[:keep].copy()
+    if keep < len(rewards):
+        r[keep - 1] += gamma * returns[keep]
+        if reward_min is not None or reward_max is not None:
+            r[keep - 1] = np.clip(r[keep - 1], reward_min, reward_max)
+        G, A = discounted_returns(r, gamma=gamma), gae_advantages(r, gamma=gamma, lam=lam)
+    return r, G, A
 
 
 def clip_episode(episode: Episode, *, max_steps: int, max_action_tokens: int, gamma: float, lam: float = 1.0,
@@ -76,13 +98,8 @@ def clip_episode(episode: Episode, *, max_steps: int, max_action_tokens: int, ga
     T = len(episode.steps)
     if keep == T and masked_from is None:
         return episode
-    r = episode.rewards[:keep].copy()
-    G, A = episode.returns[:keep].copy(), episode.advantages[:keep].copy()
-    if keep < T:
-        r[keep - 1] += gamma * episode.returns[keep]
-        if reward_min is not None or reward_max is not None:
-            r[keep - 1] = np.clip(r[keep - 1], reward_min, reward_max)
-        G, A = discounted_returns(r, gamma=gamma), gae_advantages(r, gamma=gamma, lam=lam)
+    r, G, A = fold_tail(episode.rewards, episode.returns, episode.advantages, keep=keep, gamma=gamma, lam=lam,
+                        reward_min=reward_min, reward_max=reward_max)
     masks = [m.copy() for m in episode.loss_masks[:keep]]
     tokens_masked = 0
     if masked_from is not None:

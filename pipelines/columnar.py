@@ -1,5 +1,6 @@
-"""The columnar path's first step (issue 16, item 1; docs/pipelines.md, "The columnar path, as a plan"): the split.
+"""The columnar path's first steps (issue 16, item 1; docs/pipelines.md, "The columnar path, as a plan").
 
+**The split** (step 1).
 A task's decoded events as columns (:func:`event_columns`: each event's episode, ``seq`` and kind), and
 the vectorized checks that decide which episodes are *plain* (:func:`split_plain`): complete, with
 nothing for the per-episode object path to resolve. Only plain episodes are for the columnar steps
@@ -23,6 +24,15 @@ conflict and no feedback (``split_feedback``, ``dedupe_events``, ``_status`` in
 sets and on real rollouts (tests/pipelines/test_columnar.py, tests/pipelines/test_counts_from_files.py).
 Not wired into the job yet; the event-time clock and the counts stay the assembler's.
 
+**Rewards** (step 2). :func:`segment_rewards` gives the per-step rewards, returns and advantages of many
+episodes at once, their steps flat and cut into segments by offsets; :func:`plan_clips` and
+:func:`clip_segments` apply :mod:`pipelines.clip`'s rule. The floats are those of the per-episode path
+(:func:`pipelines.rewards.annotate_rewards`, :func:`pipelines.clip.clip_episode`) bit for bit: the same
+IEEE operations in the same order, the return recurrence ``G_t = r_t + gamma G_{t+1}`` stepped back from
+every episode's end at once (tested on every builtin recipe and on shaped, bounded and capped ones,
+tests/pipelines/test_columnar.py). For episodes without feedback (plain ones have none) and recipes
+without a process-reward model, whose scores the caller would have to ask for per episode.
+
 Examples:
     >>> from streams.synth import generate_episodes
     >>> a, b, c = generate_episodes(3, seed=1)
@@ -42,9 +52,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from pipelines.clip import fold_tail
+from pipelines.recipes import Recipe
 from schemas.events import EpisodeFinished, EpisodeStarted, Event, Feedback, Step, StepVerified
 
-__all__ = ["EventColumns", "Split", "event_columns", "split_plain", "KIND_OTHER", "KIND_STARTED", "KIND_STEP",
+__all__ = ["EventColumns", "Split", "event_columns", "split_plain", "segment_rewards", "plan_clips", "clip_segments",
+           "KIND_OTHER", "KIND_STARTED", "KIND_STEP",
            "KIND_VERIFIED", "KIND_FINISHED", "KIND_FEEDBACK"]
 
 KIND_OTHER, KIND_STARTED, KIND_STEP, KIND_VERIFIED, KIND_FINISHED, KIND_FEEDBACK = range(6)
@@ -137,3 +150,128 @@ def split_plain(cols: EventColumns, *, exclude: Collection[str] = ()) -> Split:
     if exclude:
         plain &= np.fromiter((e not in exclude for e in cols.episode_ids), bool, n_episodes)
     return Split(plain=plain, order=order, offsets=offsets)
+
+
+def _segments(offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(lengths [E], each step's segment [S])`` of segment ``offsets`` ``[E + 1]``."""
+    lengths = np.diff(offsets)
+    return lengths, np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+
+
+def _returns_to_go(r: np.ndarray, offsets: np.ndarray, gamma: float) -> np.ndarray:
+    """``G_t = r_t + gamma * G_{t+1}`` (``G_T = 0``) within every segment: ``discounted_returns``' loop, run from
+    all segment ends at once (the same operations on the same values, so the same floats)."""
+    lengths, _ = _segments(offsets)
+    G = np.zeros(len(r), dtype=np.float64)
+    ends = offsets[1:] - 1
+    running = np.zeros(len(lengths), dtype=np.float64)
+    for back in range(int(lengths.max(initial=0))):
+        active = lengths > back
+        t = ends[active] - back
+        running[active] = r[t] + gamma * running[active]
+        G[t] = running[active]
+    return G
+
+
+def segment_rewards(recipe: Recipe, *, offsets: np.ndarray, sigma: np.ndarray, outcome: np.ndarray,
+                    trainable: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(r, G, A)`` float64 ``[S]`` of many episodes' steps under ``recipe`` (:mod:`pipelines.recipes`).
+
+    Per episode what :func:`pipelines.rewards.annotate_rewards` computes for it without feedback: the
+    recipe's step rewards (outcome at the last step; shaping by ``sigma`` and the step penalty for
+    ``verification_shaped``; the bounds), ``G_t = r_t + gamma G_{t+1}`` and the zero-baseline GAE
+    ``A_t = sum_l (gamma lambda)^l r_{t+l}`` (Schulman et al. 2016, arXiv:1506.02438, eq. 16 with
+    ``V = 0``); zeros for an episode that is not trainable.
+
+    Args:
+        recipe: the recipe (not a ``prm`` one: its scores come from a model called per episode).
+        offsets: int ``[E + 1]``: episode ``e``'s steps are ``offsets[e]:offsets[e + 1]``, in step order.
+        sigma: ``s_t`` ``[S]``, each step's weighted verification score
+            (:func:`pipelines.rewards.step_scores`).
+        outcome: ``R`` ``[E]``, each episode's ``episode_finished.outcome_reward``.
+        trainable: bool ``[E]``, :attr:`pipelines.types.Episode.trainable`.
+
+    Raises:
+        ValueError: a ``prm`` recipe.
+
+    Examples:
+        >>> from pipelines.recipes import load_recipe
+        >>> r, G, A = segment_rewards(load_recipe("discounted"), offsets=np.array([0, 2, 3]), sigma=np.zeros(3),
+        ...                           outcome=np.array([1.0, 2.0]), trainable=np.array([True, True]))
+        >>> r.tolist(), G.tolist()  # G_0 = 0 + 0.95 * 1
+        ([0.0, 1.0, 2.0], [0.95, 1.0, 2.0])
+    """
+    if recipe.reward == "prm":
+        raise ValueError(f"recipe {recipe.name!r} scores steps with a process-reward model; "
+                         "its episodes take the per-episode path")
+    lengths, segment = _segments(offsets)
+    judged = trainable & (lengths > 0)
+    ends = offsets[1:][judged] - 1
+    if recipe.feedback == "add":  # feedback_outcome with no rating: R + w_f * 0
+        outcome = outcome + recipe.feedback_weight * 0.0
+    r = np.zeros(len(sigma), dtype=np.float64)
+    if recipe.reward == "verification_shaped":
+        w = recipe.shaping_weight
+        if recipe.shaping == "potential":  # recipes.potential_shaping per segment: F_t = gamma Phi_{t+1} - Phi_t
+            phi_next = w * np.asarray(sigma, dtype=np.float64)
+            phi_next[offsets[1:][lengths > 0] - 1] = 0.0  # the state after an episode's last step is terminal
+            phi = np.concatenate([[0.0], phi_next[:-1]])  # Phi_0 = 0 (the prompt): the step before is terminal
+            r += recipe.gamma * phi_next - phi
+        else:
+            r += w * sigma
+        r -= recipe.step_penalty
+    r[ends] += recipe.outcome_weight * outcome[judged]
+    if recipe.reward_min is not None or recipe.reward_max is not None:
+        r = np.clip(r, recipe.reward_min, recipe.reward_max)
+    r[~judged[segment]] = 0.0
+    G = _returns_to_go(r, offsets, recipe.gamma)
+    A = _returns_to_go(r, offsets, recipe.gamma * recipe.lam)
+    return r, G, A
+
+
+def plan_clips(offsets: np.ndarray, action_tokens: np.ndarray, *, max_steps: int,
+               max_action_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`pipelines.clip.plan_clip` of every segment: ``(steps kept [E], first masked token [E], -1: none)``.
+
+    Examples:
+        >>> keep, masked_from = plan_clips(np.array([0, 3, 4]), np.array([100, 300, 50, 400]), max_steps=0,
+        ...                                max_action_tokens=250)
+        >>> keep.tolist(), masked_from.tolist()  # as plan_clip: (2, 150) and (1, 250)
+        ([2, 1], [150, 250])
+    """
+    lengths, segment = _segments(offsets)
+    keep = np.minimum(lengths, max_steps) if max_steps else lengths.copy()
+    masked_from = np.full(len(lengths), -1, dtype=np.int64)
+    if not max_action_tokens:
+        return keep, masked_from
+    n_tok = np.asarray(action_tokens, dtype=np.int64)
+    before = np.cumsum(n_tok) - n_tok  # tokens before each step, from the first segment's start
+    before -= before[offsets[:-1][segment]]  # ... from its own segment's start
+    inside = np.bincount(segment[before < max_action_tokens], minlength=len(lengths))
+    keep = np.minimum(keep, inside)
+    keep[keep == 0] = np.minimum(1, lengths[keep == 0])
+    has = keep > 0
+    last = offsets[:-1][has] + keep[has] - 1
+    over = before[last] + n_tok[last] - max_action_tokens
+    masked_from[np.flatnonzero(has)[over > 0]] = (max_action_tokens - before[last])[over > 0]
+    return keep, masked_from
+
+
+def clip_segments(offsets: np.ndarray, keep: np.ndarray, r: np.ndarray, G: np.ndarray, A: np.ndarray, *,
+                  gamma: float, lam: float, reward_min: float | None,
+                  reward_max: float | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The kept steps' ``(offsets [E + 1], r', G, A)`` after :func:`plan_clips` (rules 3 and 4 of
+    :mod:`pipelines.clip`; the fold itself is :func:`pipelines.clip.fold_tail`, per clipped episode)."""
+    new_offsets = np.zeros(len(keep) + 1, np.int64)
+    np.cumsum(keep, out=new_offsets[1:])
+    if (keep == np.diff(offsets)).all():
+        return new_offsets, r.copy(), G.copy(), A.copy()
+    lengths, segment = _segments(offsets)
+    kept = np.arange(len(r), dtype=np.int64) - offsets[:-1][segment] < keep[segment]  # the step starts in its cap
+    r2, G2, A2 = r[kept], G[kept], A[kept]
+    for e in np.flatnonzero(keep < lengths):
+        a, b, k = offsets[e], offsets[e + 1], new_offsets[e]
+        r2[k:k + keep[e]], G2[k:k + keep[e]], A2[k:k + keep[e]] = fold_tail(
+            r[a:b], G[a:b], A[a:b], keep=int(keep[e]), gamma=gamma, lam=lam, reward_min=reward_min,
+            reward_max=reward_max)
+    return new_offsets, r2, G2, A2

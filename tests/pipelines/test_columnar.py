@@ -1,22 +1,31 @@
-"""The columnar split (pipelines/columnar.py) against the object path it will stand beside.
+"""The columnar path's steps (pipelines/columnar.py) against the object path they will stand beside.
 
+Step 1, the split:
 An episode is plain exactly when today's per-episode path (:class:`pipelines.frames.EpisodeAssembler`)
 assembles it complete with nothing to resolve: no repeated copy, no conflict, no feedback, not an
 episode of an earlier commit. Checked on fuzzed tasks (episodes with events dropped, copied, given a
 rival id at the same seq, an id reused at another seq, feedback, shuffled, excluded); the same on real
 rollouts in tests/pipelines/test_counts_from_files.py.
+
+Step 2, rewards: the per-step rewards, returns, advantages and clips of many episodes at once are the per-episode
+path's floats bit for bit, under every builtin recipe and shaped, bounded, feedback and capped ones.
 """
 
 from __future__ import annotations
 
 import msgspec
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipelines.assemble import _status, dedupe_events
-from pipelines.columnar import KIND_FINISHED, KIND_STARTED, event_columns, split_plain
+from pipelines.assemble import _status, assemble_episode, dedupe_events
+from pipelines.clip import clip_episode
+from pipelines.columnar import (KIND_FINISHED, KIND_STARTED, clip_segments, event_columns, plan_clips, segment_rewards,
+                                split_plain)
 from pipelines.feedback import split_feedback
+from pipelines.recipes import BUILTIN_RECIPES, load_recipe
+from pipelines.rewards import annotate_rewards, step_scores
 from pipelines.frames import EpisodeAssembler
 from pipelines.types import Episode
 from schemas.events import Feedback
@@ -124,3 +133,71 @@ def test_an_id_in_two_episodes_is_not_a_copy_but_twice_in_one_is():
 def test_no_events_no_episodes():
     split = split_plain(event_columns([]))
     assert split.plain.shape == (0,) and split.order.shape == (0,) and split.offsets.tolist() == [0]
+
+
+# --- step 2: rewards, returns, advantages and clipping over many episodes at once, bit for bit -----------------
+
+RECIPES = [
+    *BUILTIN_RECIPES.values(),
+    load_recipe("verification_shaped", shaping="additive", step_penalty=0.5),
+    load_recipe("verification_shaped", gamma=0.9, **{"lambda": 0.7}, verification_weight=0.3, step_penalty=0.05,
+                verifier_weights={"pipeline.token_consistency": 0.0, "code.tests": 2.0}),
+    load_recipe("discounted", gamma=0.9, **{"lambda": 0.7}, outcome_weight=2.0, reward_min=-0.5, reward_max=0.8),
+    load_recipe("outcome", feedback="add", feedback_weight=0.5),
+    load_recipe("outcome", feedback="override"),
+    load_recipe("verification_shaped", max_steps=2),
+    load_recipe("discounted", max_action_tokens=400),
+    load_recipe("verification_shaped", max_steps=3, max_action_tokens=300),
+]
+
+
+def _episodes(n: int = 40, seed: int = 11) -> list[Episode]:
+    """Synthetic episodes with every fifth one timed out (not trainable) and outcomes off the 0/1 grid."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, events in enumerate(generate_episodes(n, seed=seed)):
+        fin = events[-1]
+        fin = msgspec.structs.replace(fin, termination="timeout" if i % 5 == 0 else fin.termination,
+                                      outcome_reward=float(rng.uniform(-1.0, 2.0)) if i % 3 else fin.outcome_reward)
+        out.append(assemble_episode(events[0].episode_id, [*events[:-1], fin], complete=True, reason=None))
+    return out
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float64).view(np.int64)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: f"{r.name}-{r.content_hash[:6]}")
+def test_rewards_returns_advantages_and_clips_are_the_per_episode_floats(recipe):
+    episodes = _episodes()
+    assert {e.trainable for e in episodes} == {True, False}
+    offsets = np.concatenate([[0], np.cumsum([len(e.steps) for e in episodes])]).astype(np.int64)
+    sigma = np.concatenate([step_scores(e.verdicts, recipe.verifier_weights) for e in episodes])
+    r, G, A = segment_rewards(recipe, offsets=offsets, sigma=sigma,
+                              outcome=np.array([e.finished.outcome_reward for e in episodes]),
+                              trainable=np.array([e.trainable for e in episodes]))
+    n_tok = np.array([len(s.action_token_ids) for e in episodes for s in e.steps])
+    keep, masked_from = plan_clips(offsets, n_tok, max_steps=recipe.max_steps,
+                                   max_action_tokens=recipe.max_action_tokens)
+    kept, r, G, A = clip_segments(offsets, keep, r, G, A, gamma=recipe.gamma, lam=recipe.lam,
+                                  reward_min=recipe.reward_min, reward_max=recipe.reward_max)
+    clipped = 0
+    for e, episode in enumerate(episodes):
+        one = clip_episode(annotate_rewards(episode, recipe), max_steps=recipe.max_steps,
+                           max_action_tokens=recipe.max_action_tokens, gamma=recipe.gamma, lam=recipe.lam,
+                           reward_min=recipe.reward_min, reward_max=recipe.reward_max)
+        a, b = kept[e], kept[e + 1]
+        assert b - a == len(one.steps) == keep[e]
+        for mine, theirs in ((r, one.rewards), (G, one.returns), (A, one.advantages)):
+            assert np.array_equal(_bits(mine[a:b]), _bits(theirs)), (e, mine[a:b], theirs)
+        first_masked = np.flatnonzero(~one.loss_masks[-1]) if one.steps else []
+        assert masked_from[e] == (first_masked[0] if len(first_masked) else -1)
+        clipped += one.clipped
+    assert (clipped > 0) == bool(recipe.max_steps or recipe.max_action_tokens)
+
+
+def test_a_prm_recipe_is_refused():
+    recipe = load_recipe("verification_shaped", reward="prm", prm="builtins:len")
+    with pytest.raises(ValueError, match="process-reward model"):
+        segment_rewards(recipe, offsets=np.array([0, 1]), sigma=np.zeros(1), outcome=np.zeros(1),
+                        trainable=np.array([True]))

@@ -9,7 +9,7 @@ equal what polars reads from the committed files and what the topic holds,
 they reconcile (in = used + incomplete + pending + dead letters + duplicates
 + late + feedback), and a rerun adds nothing. On the same records, the columnar
 split (pipelines/columnar.py) finds plain exactly the complete episodes without
-a replayed record.
+a replayed record, and its rewards give those episodes' rows' rewards and returns.
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pytest
 from apache_beam.runners.portability.fn_api_runner import fn_runner
 
-from pipelines.columnar import event_columns, split_plain
+from pipelines.assemble import assemble_episode
+from pipelines.columnar import event_columns, segment_rewards, split_plain
 from pipelines.inputs import KafkaInput
 from pipelines.recipes import load_recipe
 from pipelines.trajectory_job import COUNT_KEYS, run_batch
@@ -110,3 +112,16 @@ def test_counts_are_exact_without_runner_metrics(kafka_broker, topic_name, tmp_p
     plain = {e for e, is_plain in zip(by_episode, split.plain) if is_plain}
     replayed = {key.decode() for key, _ in replay}
     assert plain == set(complete["episode_id"]) - replayed and plain and replayed
+
+    # Their rewards and returns by the columnar step 2, from the events alone: the job's rows, bit for bit.
+    ids = sorted(plain)
+    episodes = [assemble_episode(e, sorted(by_episode[e], key=lambda ev: ev.seq), complete=True, reason=None)
+                for e in ids]
+    offsets = np.concatenate([[0], np.cumsum([len(ep.steps) for ep in episodes])]).astype(np.int64)
+    r, G, _ = segment_rewards(load_recipe("outcome"), offsets=offsets, sigma=np.zeros(offsets[-1]),
+                              outcome=np.array([ep.finished.outcome_reward for ep in episodes]),
+                              trainable=np.array([ep.trainable for ep in episodes]))
+    rows = scan("steps").filter(pl.col("episode_id").is_in(ids)).sort("episode_id", "step_index").collect()
+    assert rows.height == offsets[-1] > 0
+    assert rows["reward"].to_numpy().tobytes() == r.tobytes()
+    assert rows["return_to_go"].to_numpy().tobytes() == G.tobytes()
