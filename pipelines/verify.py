@@ -15,7 +15,7 @@ Each verifier votes once per step (:attr:`schemas.datasets.Verification.counted`
 counted verdicts only (:func:`pipelines.rewards.verification_score`).
 
 Examples:
-    >>> from schemas.events import Step
+    >>> from schemas.events import EpisodeStarted, Step
     >>> ok = Step(event_id="s", episode_id="ep", seq=1, producer_id="w", domain="math", task_id="t",
     ...           step_index=0, action_token_ids=[1, 2], behaviour_logprobs=[-0.5, -0.1])
     >>> check_token_consistency(ok).passed
@@ -37,7 +37,8 @@ from __future__ import annotations
 import json
 import math
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import apache_beam as beam
 import msgspec
@@ -47,10 +48,13 @@ from apache_beam.metrics import Metrics
 from pipelines.forked import ChainStage
 from pipelines.types import METRICS_NAMESPACE, Episode
 from schemas.datasets import Verification
-from schemas.events import Step
+from schemas.events import EpisodeStarted, Step
 
 __all__ = [
     "VerifySteps",
+    "verify_steps",
+    "task_spec",
+    "StepVerdicts",
     "VerifiersUnavailable",
     "check_token_consistency",
     "reconcile_verdict",
@@ -189,6 +193,101 @@ def _tokens_ok(steps: Sequence[Step]) -> list[bool]:
     return ok
 
 
+class StepVerdicts(NamedTuple):
+    """:func:`verify_steps`' answer for one episode.
+
+    Attributes:
+        verdicts: per step, its recorded verdicts then the pipeline's.
+        tokens_failed: steps whose :func:`check_token_consistency` failed.
+        errors: steps on which a domain verifier raised (recorded as a ``<domain>.verifier_error`` verdict).
+        agreements: pipeline re-runs that agree with the rollout's verdict of the same verifier.
+        disagreements: ... that do not.
+        no_verifier: the domain has no registered verifier (its verdicts stop at the first step that asks).
+        spec_skipped: the domain verifiers did not run: no readable task spec (each step records why).
+    """
+
+    verdicts: list[list[Verification]]
+    tokens_failed: int = 0
+    errors: int = 0
+    agreements: int = 0
+    disagreements: int = 0
+    no_verifier: bool = False
+    spec_skipped: bool = False
+
+
+def task_spec(started: EpisodeStarted | None) -> dict | None:
+    """The episode's task spec as a dict, or None (no ``episode_started``, or its spec is not a JSON object)."""
+    if started is None:
+        return None
+    try:
+        spec = msgspec.json.decode(started.task_spec)
+    except msgspec.DecodeError:
+        try:  # the stdlib also reads what msgspec refuses (NaN, Infinity)
+            spec = json.loads(started.task_spec)
+        except ValueError:
+            return None
+    return spec if isinstance(spec, dict) else None
+
+
+def verify_steps(domain: str, started: EpisodeStarted | None, steps: Sequence[Step],
+                 recorded: Sequence[list[Verification]], *, verify_step: Callable[..., Any] | None = None,
+                 not_found: type[Exception] = LookupError) -> StepVerdicts:
+    """The verdicts of one episode's steps (:class:`VerifySteps`' rules), without an :class:`Episode` object.
+
+    Args:
+        domain: the episode's domain.
+        started: its ``episode_started`` event (the task spec the domain verifiers read), or None.
+        steps: its steps, in step order.
+        recorded: per step, the rollout's verdicts (its ``step_verified`` events).
+        verify_step: ``rollout.verifiers.verify_step`` (None: the generic check only).
+        not_found: the exception ``verify_step`` raises for a domain without verifiers.
+    """
+    spec = task_spec(started) if verify_step is not None else None  # specs can be whole documents
+    domain_ok = spec is not None
+    skipped = None
+    if verify_step is not None and spec is None:  # recorded on each step and counted, never silent
+        skipped = Verification(
+            verifier=DOMAIN_VERIFIERS_SKIPPED, passed=False, score=0.0, source="pipeline", counted=False,
+            details="domain verifiers not run: " + ("no episode_started event" if started is None
+                                                    else "task_spec is not a JSON object"))
+    verdicts = []
+    tokens_failed = errors = disagreements = agreements = 0
+    no_verifier = False
+    for step, rec, tokens_ok in zip(steps, recorded, _tokens_ok(steps)):
+        ours = [_TOKENS_OK if tokens_ok else check_token_consistency(step)]
+        if not ours[0].passed:
+            tokens_failed += 1
+        if skipped is not None:
+            ours.append(skipped)
+        if domain_ok:
+            fields = dict(zip(_STEP_FIELDS, _get_step_fields(step)))
+            try:
+                rerun = verify_step(domain, spec, fields)
+            except not_found:
+                domain_ok, no_verifier = False, True
+            except (ValueError, TypeError, KeyError) as err:
+                errors += 1
+                # A verifier that crashed judged nothing: recorded, no vote.
+                ours.append(Verification(verifier=f"{domain}.verifier_error", passed=False, score=0.0,
+                                         details=str(err)[:200], source="pipeline", counted=False))
+            else:
+                rollout = {v.verifier: v for v in reversed(rec)}  # the first verdict of each name
+                for v in rerun:
+                    got = Verification(verifier=v.verifier, passed=v.passed, score=v.score, details=v.details,
+                                       source="pipeline")
+                    if v.verifier in rollout or v.verifier.startswith(DATA_QUALITY_PREFIX):
+                        got = reconcile_verdict(got, rollout)
+                        if v.verifier in rollout:
+                            if _agrees(got, rollout[v.verifier]):
+                                agreements += 1
+                            else:
+                                disagreements += 1
+                    ours.append(got)
+        verdicts.append([*rec, *ours])
+    return StepVerdicts(verdicts=verdicts, tokens_failed=tokens_failed, errors=errors, agreements=agreements,
+                        disagreements=disagreements, no_verifier=no_verifier, spec_skipped=skipped is not None)
+
+
 class _VerifyFn(beam.DoFn):
     def __init__(self, use_domain_verifiers: bool) -> None:
         self._use_domain = use_domain_verifiers
@@ -207,68 +306,22 @@ class _VerifyFn(beam.DoFn):
             self._verify_step, self._not_found = _import_verifiers()
 
     def process(self, episode: Episode) -> Iterator[Episode]:
-        spec = self._task_spec(episode) if self._verify_step is not None else None  # specs can be whole documents
-        domain_ok = spec is not None
-        skipped = None
-        if self._verify_step is not None and spec is None:  # recorded on each step and counted, never silent
+        out = verify_steps(episode.domain, episode.started, episode.steps, episode.verdicts,
+                           verify_step=self._verify_step, not_found=self._not_found)
+        if out.spec_skipped:
             self._no_spec.inc()
-            skipped = Verification(
-                verifier=DOMAIN_VERIFIERS_SKIPPED, passed=False, score=0.0, source="pipeline", counted=False,
-                details="domain verifiers not run: " + ("no episode_started event" if episode.started is None
-                                                        else "task_spec is not a JSON object"))
-        verdicts = []
-        disagreements = agreements = 0
-        for step, recorded, tokens_ok in zip(episode.steps, episode.verdicts, _tokens_ok(episode.steps)):
-            ours = [_TOKENS_OK if tokens_ok else check_token_consistency(step)]
-            if not ours[0].passed:
-                self._failed.inc()
-            if skipped is not None:
-                ours.append(skipped)
-            if domain_ok:
-                fields = dict(zip(_STEP_FIELDS, _get_step_fields(step)))
-                try:
-                    rerun = self._verify_step(episode.domain, spec, fields)
-                except self._not_found:
-                    domain_ok = False
-                    self._no_verifier.inc()
-                except (ValueError, TypeError, KeyError) as err:
-                    self._errors.inc()
-                    # A verifier that crashed judged nothing: recorded, no vote.
-                    ours.append(Verification(verifier=f"{episode.domain}.verifier_error", passed=False, score=0.0,
-                                             details=str(err)[:200], source="pipeline", counted=False))
-                else:
-                    rollout = {v.verifier: v for v in reversed(recorded)}  # the first verdict of each name
-                    for v in rerun:
-                        got = Verification(verifier=v.verifier, passed=v.passed, score=v.score, details=v.details,
-                                           source="pipeline")
-                        if v.verifier in rollout or v.verifier.startswith(DATA_QUALITY_PREFIX):
-                            got = reconcile_verdict(got, rollout)
-                            if v.verifier in rollout:
-                                if _agrees(got, rollout[v.verifier]):
-                                    agreements += 1
-                                else:
-                                    disagreements += 1
-                        ours.append(got)
-            verdicts.append([*recorded, *ours])
+        if out.tokens_failed:
+            self._failed.inc(out.tokens_failed)
+        if out.no_verifier:
+            self._no_verifier.inc()
+        if out.errors:
+            self._errors.inc(out.errors)
         self._checked.inc(len(episode.steps))
-        if disagreements:
-            self._disagreements.inc(disagreements)
-        if agreements:
-            self._agreements.inc(agreements)
-        yield msgspec.structs.replace(episode, verdicts=verdicts)
-
-    @staticmethod
-    def _task_spec(episode: Episode) -> dict | None:
-        if episode.started is None:
-            return None
-        try:
-            spec = msgspec.json.decode(episode.started.task_spec)
-        except msgspec.DecodeError:
-            try:  # the stdlib also reads what msgspec refuses (NaN, Infinity)
-                spec = json.loads(episode.started.task_spec)
-            except ValueError:
-                return None
-        return spec if isinstance(spec, dict) else None
+        if out.disagreements:
+            self._disagreements.inc(out.disagreements)
+        if out.agreements:
+            self._agreements.inc(out.agreements)
+        yield msgspec.structs.replace(episode, verdicts=out.verdicts)
 
 
 class VerifySteps(beam.PTransform):
