@@ -16,11 +16,16 @@ An episode is plain when, of its valid events (the dead letters already gone):
   (a repeated copy, or a conflict between two ids);
 * its event ids are distinct (a copy is known by its id, whatever its ``seq``);
 * the event at ``seq`` 0 is :class:`~schemas.events.EpisodeStarted`, and one of its events is an
-  :class:`~schemas.events.EpisodeFinished`.
+  :class:`~schemas.events.EpisodeFinished`;
+* its steps, in ``seq`` order, have ``step_index`` 0, 1, 2, ... (the object path orders steps by
+  ``step_index``; here their ``seq`` order is their order), and every
+  :class:`~schemas.events.StepVerified` judges one of them (the object path drops a verdict on a step
+  it does not have).
 
-These are the object path's own rules for an episode it assembles complete with no duplicate, no
-conflict and no feedback (``split_feedback``, ``dedupe_events``, ``_status`` in
-:meth:`EpisodeAssembler._episode <pipelines.frames.EpisodeAssembler>`): tested equal on fuzzed event
+The first five are the object path's own rules for an episode it assembles complete with no
+duplicate, no conflict and no feedback (``split_feedback``, ``dedupe_events``, ``_status`` in
+:meth:`EpisodeAssembler._episode <pipelines.frames.EpisodeAssembler>`); the last one keeps out the
+episodes whose steps that path would reorder or whose verdicts it would drop. Tested equal on fuzzed event
 sets and on real rollouts (tests/pipelines/test_columnar.py, tests/pipelines/test_counts_from_files.py).
 Not wired into the job yet; the event-time clock and the counts stay the assembler's.
 
@@ -74,6 +79,7 @@ class EventColumns(NamedTuple):
         episode: int64 ``[n_events]``, each event's index in ``episode_ids``.
         seq: int64 ``[n_events]``, each event's ``seq``.
         kind: int8 ``[n_events]``, each event's type (``KIND_*``; ``KIND_OTHER`` for any other type).
+        step_index: int64 ``[n_events]``, the ``step_index`` of a step or a verdict (-1 for other events).
     """
 
     episode_ids: list[str]
@@ -81,6 +87,7 @@ class EventColumns(NamedTuple):
     episode: np.ndarray
     seq: np.ndarray
     kind: np.ndarray
+    step_index: np.ndarray
 
 
 class Split(NamedTuple):
@@ -116,7 +123,8 @@ def event_columns(episodes: Sequence[tuple[str, Sequence[Event]]]) -> EventColum
         episode_ids=[episode_id for episode_id, _ in episodes], events=events,
         episode=np.repeat(np.arange(len(episodes), dtype=np.int64), sizes),
         seq=np.fromiter((ev.seq for ev in events), np.int64, n),
-        kind=np.fromiter((kind_of(type(ev), KIND_OTHER) for ev in events), np.int8, n))
+        kind=np.fromiter((kind_of(type(ev), KIND_OTHER) for ev in events), np.int8, n),
+        step_index=np.fromiter((getattr(ev, "step_index", -1) for ev in events), np.int64, n))
 
 
 def split_plain(cols: EventColumns, *, exclude: Collection[str] = ()) -> Split:
@@ -140,6 +148,15 @@ def split_plain(cols: EventColumns, *, exclude: Collection[str] = ()) -> Split:
     plain[plain] = kind[first] == KIND_STARTED
     plain &= np.bincount(episode[kind == KIND_FINISHED], minlength=n_episodes) > 0
     plain &= np.bincount(episode[kind == KIND_FEEDBACK], minlength=n_episodes) == 0
+    is_step = kind == KIND_STEP
+    step_index = cols.step_index[order]
+    steps = np.bincount(episode[is_step], minlength=n_episodes)
+    steps_before = np.concatenate([[0], np.cumsum(is_step)])  # in the task, before each event (and after all)
+    nth_step = steps_before[:-1] - steps_before[offsets[:-1]][episode]  # ... in its episode
+    plain &= np.bincount(episode[is_step & (step_index != nth_step)], minlength=n_episodes) == 0
+    verdict = kind == KIND_VERIFIED
+    plain &= np.bincount(episode[verdict & ((step_index < 0) | (step_index >= steps[episode]))],
+                         minlength=n_episodes) == 0
     ids = [ev.event_id for ev in cols.events]
     if len(set(ids)) != n:  # rare: some id twice in the task; the same episode twice is a copy
         repeated = {k for k, c in Counter(ids).items() if c > 1}

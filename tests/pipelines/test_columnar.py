@@ -28,14 +28,15 @@ from pipelines.recipes import BUILTIN_RECIPES, load_recipe
 from pipelines.rewards import annotate_rewards, step_scores
 from pipelines.frames import EpisodeAssembler
 from pipelines.types import Episode
-from schemas.events import Feedback
+from schemas.events import Feedback, Step, StepVerified
 from streams.feedback import FEEDBACK_SEQ
 from streams.synth import generate_episodes
 from tests.fuzzing import register_profiles
 
 register_profiles()
 
-MUTATIONS = ("drop", "drop_last", "copy", "conflict", "reuse_id", "restart", "feedback", "feedback_next", "shuffle")
+MUTATIONS = ("drop", "drop_last", "copy", "conflict", "reuse_id", "restart", "feedback", "feedback_next",
+             "swap_steps", "stray_verdict", "shuffle")
 
 
 def _object_path(episode_id: str, events: list, exclude: set[str]) -> bool:
@@ -46,18 +47,66 @@ def _object_path(episode_id: str, events: list, exclude: set[str]) -> bool:
     if feedback or repeated:
         return False
     unique, dups, conflicts = dedupe_events(rest)
-    return not dups and not conflicts and bool(unique) and _status(unique)[0]
+    if dups or conflicts or not unique or not _status(unique)[0]:
+        return False
+    # and the columnar path's own: steps in seq order are steps 0, 1, 2, ...; every verdict judges one of them
+    steps = [e.step_index for e in unique if isinstance(e, Step)]
+    return steps == list(range(len(steps))) and all(
+        0 <= e.step_index < len(steps) for e in unique if isinstance(e, StepVerified))
 
 
 def _assembled_plainly(episode_id: str, events: list, exclude: set[str]) -> bool:
-    """What the assembler itself does: one complete episode out, nothing else, no duplicate or dead letter counted."""
+    """What the assembler itself does: one complete episode out, nothing else, no duplicate or dead letter counted,
+    its steps those of the events in seq order, and a verdict for every verdict event."""
     assembler = EpisodeAssembler(frozenset(exclude))
     out = list(assembler(episode_id, events))
     counts = {}
     for tagged in assembler.counts.emit():
         counts.update(tagged.value)
-    return (len(out) == 1 and isinstance(out[0], Episode) and out[0].complete
-            and not counts.get("duplicates") and not counts.get("dead_letters"))
+    if not (len(out) == 1 and isinstance(out[0], Episode) and out[0].complete
+            and not counts.get("duplicates") and not counts.get("dead_letters")):
+        return False
+    in_seq_order = sorted(events, key=lambda e: e.seq)
+    return (out[0].steps == [e for e in in_seq_order if isinstance(e, Step)]
+            and sum(map(len, out[0].verdicts)) == sum(isinstance(e, StepVerified) for e in events))
+
+
+def _mutate(episode_id: str, events: list, op: str, i: int, permute=lambda evs: evs[::-1]) -> list:
+    """``events`` with one mutation ``op`` applied at event ``i`` (``permute`` orders them for ``shuffle``)."""
+    events, ev = list(events), events[i]
+    if op == "drop":
+        del events[i]
+    elif op == "drop_last":  # an unfinished episode
+        events.remove(max(events, key=lambda e: e.seq))
+    elif op == "copy":
+        events.append(ev)
+    elif op == "conflict":  # another id at the same seq
+        events.append(msgspec.structs.replace(ev, event_id=ev.event_id + "-rival"))
+    elif op == "reuse_id" and len(events) > 1:  # the id of another event, at this seq
+        j = (i + 1) % len(events)
+        events[j] = msgspec.structs.replace(events[j], event_id=ev.event_id)
+    elif op == "restart":  # another type at seq 0 (validation refuses it; the split must not rely on that)
+        k = min(range(len(events)), key=lambda k: events[k].seq)
+        other = events[-1 if k != len(events) - 1 else 0]
+        events[k] = msgspec.structs.replace(other, seq=0, event_id=other.event_id + "-at-0")
+    elif op in ("feedback", "feedback_next"):  # at FEEDBACK_SEQ (1), or just past the episode's end
+        seq = FEEDBACK_SEQ if op == "feedback" else max(e.seq for e in events) + 1
+        events.append(Feedback(event_id=f"fb-{episode_id}-{i}", episode_id=episode_id, seq=seq,
+                               producer_id="p", domain=ev.domain, task_id=ev.task_id, source="s", rating=1.0))
+    elif op == "swap_steps":  # two steps' indices swapped: their seq order is no longer their order
+        steps = [k for k, e in enumerate(events) if isinstance(e, Step)]
+        if len(steps) > 1:
+            a, b = steps[0], steps[-1]
+            events[a], events[b] = (msgspec.structs.replace(events[a], step_index=events[b].step_index),
+                                    msgspec.structs.replace(events[b], step_index=events[a].step_index))
+    elif op == "stray_verdict":  # a verdict on a step the episode does not have, just past its end
+        seq = max(e.seq for e in events) + 1
+        events.append(StepVerified(event_id=f"sv-{episode_id}-{seq}", episode_id=episode_id, seq=seq,
+                                   producer_id="p", domain=ev.domain, task_id=ev.task_id,
+                                   step_index=seq - 1, verifier="v", passed=True, score=1.0))
+    elif op == "shuffle":
+        events = list(permute(events))
+    return events
 
 
 @st.composite
@@ -69,33 +118,25 @@ def _tasks(draw) -> tuple[list[tuple[str, list]], set[str]]:
         for op in draw(st.lists(st.sampled_from(MUTATIONS), max_size=3)):
             if not events:
                 break
-            i = draw(st.integers(0, len(events) - 1))
-            ev = events[i]
-            if op == "drop":
-                del events[i]
-            elif op == "drop_last":  # an unfinished episode
-                events.remove(max(events, key=lambda e: e.seq))
-            elif op == "copy":
-                events.append(ev)
-            elif op == "conflict":  # another id at the same seq
-                events.append(msgspec.structs.replace(ev, event_id=ev.event_id + "-rival"))
-            elif op == "reuse_id" and len(events) > 1:  # the id of another event, at this seq
-                j = (i + 1) % len(events)
-                events[j] = msgspec.structs.replace(events[j], event_id=ev.event_id)
-            elif op == "restart":  # another type at seq 0 (validation refuses it; the split must not rely on that)
-                k = min(range(len(events)), key=lambda k: events[k].seq)
-                other = events[-1 if k != len(events) - 1 else 0]
-                events[k] = msgspec.structs.replace(other, seq=0, event_id=other.event_id + "-at-0")
-            elif op in ("feedback", "feedback_next"):  # at FEEDBACK_SEQ (1), or just past the episode's end
-                seq = FEEDBACK_SEQ if op == "feedback" else max(e.seq for e in events) + 1
-                events.append(Feedback(event_id=f"fb-{episode_id}-{i}", episode_id=episode_id, seq=seq,
-                                       producer_id="p", domain=ev.domain, task_id=ev.task_id, source="s", rating=1.0))
-            elif op == "shuffle":
-                events = draw(st.permutations(events))
+            events = _mutate(episode_id, events, op, draw(st.integers(0, len(events) - 1)),
+                             permute=lambda evs: draw(st.permutations(evs)))
         if draw(st.booleans()) and draw(st.booleans()):
             exclude.add(episode_id)
-        task.append((episode_id, list(events)))
+        task.append((episode_id, events))
     return task, exclude
+
+
+@pytest.mark.parametrize("op", MUTATIONS)
+def test_each_mutation_alone_is_judged_as_the_object_path_judges_it(op):
+    """Every rule met on its own, beside clean episodes (the fuzz test mostly meets them stacked)."""
+    episodes = list(generate_episodes(4, seed=9))
+    task = [(ep[0].episode_id, list(ep)) for ep in episodes]
+    target, events = task[1]
+    task[1] = (target, _mutate(target, events, op, 2))
+    split = split_plain(event_columns(task))
+    expected = [_object_path(e, evs, set()) for e, evs in task]
+    assert split.plain.tolist() == expected == [_assembled_plainly(e, evs, set()) for e, evs in task]
+    assert expected[1] == (op == "shuffle")  # a shuffled episode is still plain: its events come in any order
 
 
 @given(_tasks())
