@@ -1,4 +1,4 @@
-"""The network client of every kafka-python client this project builds, and two log lines it keeps quiet.
+"""The network client of every kafka-python client this project builds, and the log lines it keeps quiet.
 
 kafka-python 3.0 runs each client's I/O as tasks of one event loop (``kafka.net.selector``) and
 logs two things on a healthy run of this project that read like faults:
@@ -19,16 +19,24 @@ logs two things on a healthy run of this project that read like faults:
   connection closed. Measured: 30 rounds of an end-offset lookup, a :class:`~streams.fetch.PartitionReader`,
   a producer and a consumer, each built and closed, logged 11 and 2 such records, all on the
   closing clients' IO threads; in ``make bench`` logs the first came after ~1 in 3 reads and jobs,
-  the second once in each of three logs. :class:`CancelledRefreshFilter` makes them DEBUG records when the
-  thread that logs them runs the network loop of a client whose ``close`` is under way
-  (:func:`net_client` marks it); a refresh that fails for any other reason, or on a client not
-  closing (a broker gone, a refused request, a connection the broker dropped), is still an ERROR.
+  the second once in each of three logs. The same close logs two more refresh failures
+  (``NetworkSelector closed!``: the refresh started after the selector closed; ``KafkaConnectionError:
+  Node not connected``: after its connection closed) and, from the transport, ``Error receiving
+  network data closing socket`` with a traceback ending in ``'NoneType' object has no attribute
+  'recv'``: a read woken by the close finds the socket already gone (kafka-python issue #3097).
+  30 exact-range reads (:func:`streams.consumer.read_range`, a fetch in flight at each close) logged one
+  of each, all at ERROR, all on the closing clients' IO threads; the last was in a ``make bench`` log
+  (its rollout part) on 2026-12-07. :class:`ClosingClientFilter` makes all of these DEBUG records
+  when the thread that logs them runs the network loop of a client whose ``close`` is under way
+  (:func:`net_client` marks it); a refresh or a read that fails for any other reason, or on a client
+  not closing (a broker gone, a refused request, a connection the broker dropped), is still an ERROR.
 
 Measured with kafka-python 3.0.12 (the version the Makefile installs).
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -38,7 +46,7 @@ from typing import Any
 import kafka.errors as Errors
 from kafka.net.compat import KafkaNetClient
 
-__all__ = ["SLOW_STEP_WARN_S", "net_client", "CancelledRefreshFilter"]
+__all__ = ["SLOW_STEP_WARN_S", "net_client", "ClosingClientFilter"]
 
 #: A step of a client's network loop longer than this is logged as blocking the loop
 #: (kafka-python's ``slow_task_threshold_secs``; its default, 0.1 s, is under one large fetch's parse).
@@ -63,7 +71,10 @@ def net_client(**configs: Any) -> KafkaNetClient:
 #: none (each client has its own IO thread, and a caller runs one close at a time). Set operations are atomic
 #: under the GIL: no lock, so none a forked worker could inherit held.
 _CLOSING: set[int] = set()
-_TRANSPORT_CLOSED = "Transport closed for writes"
+#: ``(type, message)`` of the errors a refresh fails with because its own client is closing (besides ``Cancelled``).
+_CLOSED_UNDER_REFRESH = ((RuntimeError, ("Transport closed for writes",)), (RuntimeError, ("NetworkSelector closed!",)),
+                         (Errors.KafkaConnectionError, ("Node not connected",)))
+_RECV_FAILED = "%s: Error receiving network data closing socket"
 
 # A forked worker (the jobs fork theirs from the driver) starts with no close under way: a driver thread that
 # was closing a client at the fork is not in the child.
@@ -83,31 +94,44 @@ def _close_marked(client: KafkaNetClient, close: Any, node_id: Any = None) -> An
         _CLOSING.discard(ident)
 
 
-class CancelledRefreshFilter(logging.Filter):
-    """``kafka.cluster``'s failed refreshes of a client closing mid-refresh as DEBUG records.
+class ClosingClientFilter(logging.Filter):
+    """What kafka-python logs of a client closing under its own network loop, as DEBUG records.
 
-    "Metadata refresh: failed Cancelled" and "Metadata refresh: failed Transport closed for writes"
-    when the thread that logs them runs the network loop of a client whose ``close`` is under way
-    (:func:`net_client`). Other records pass unchanged. A demoted record still reaches the handlers
-    when the ``kafka.cluster`` logger is enabled for DEBUG.
+    ``kafka.cluster``'s "Metadata refresh: failed ..." with ``Cancelled``, "Transport closed for writes",
+    "NetworkSelector closed!" or "Node not connected", and ``kafka.net.transport``'s "Error receiving network
+    data closing socket" on a socket gone (``None``) or closed (``EBADF``), when the thread that logs them
+    runs the network loop of a client whose ``close`` is under way (:func:`net_client`). Other records
+    pass unchanged. A demoted record still reaches the handlers when its logger is enabled for DEBUG.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg == _REFRESH_FAILED and record.args and _closing_refresh(record.args[0], record.thread):
+        if record.thread in _CLOSING and (_closing_refresh(record) or _closing_read(record)):
             record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
             return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
         return True
 
 
-def _closing_refresh(err: Any, thread: int | None) -> bool:
-    closed = isinstance(err, Errors.Cancelled) or (type(err) is RuntimeError and str(err) == _TRANSPORT_CLOSED)
-    return closed and thread in _CLOSING
+def _closing_refresh(record: logging.LogRecord) -> bool:
+    if record.msg != _REFRESH_FAILED or not record.args:
+        return False
+    err = record.args[0]
+    return isinstance(err, Errors.Cancelled) or any(type(err) is kind and getattr(err, "args", None) == args
+                                                    for kind, args in _CLOSED_UNDER_REFRESH)
+
+
+def _closing_read(record: logging.LogRecord) -> bool:
+    if record.msg != _RECV_FAILED or not record.exc_info:
+        return False
+    err = record.exc_info[1]
+    return (isinstance(err, AttributeError) and "'NoneType'" in str(err)) or (
+        isinstance(err, OSError) and err.errno == errno.EBADF)
 
 
 def _install() -> None:
-    logger = logging.getLogger("kafka.cluster")
-    if not any(isinstance(f, CancelledRefreshFilter) for f in logger.filters):
-        logger.addFilter(CancelledRefreshFilter())
+    for name in ("kafka.cluster", "kafka.net.transport"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, ClosingClientFilter) for f in logger.filters):
+            logger.addFilter(ClosingClientFilter())
 
 
 _install()

@@ -1,8 +1,9 @@
 """kafka-python's network client as this project builds it: no false "blocking the event loop" warning on a large
-fetch, no ERROR for a metadata refresh cancelled by a close (streams/kafka_net.py)."""
+fetch, no ERROR for a metadata refresh or a socket read cut short by the client's own close (streams/kafka_net.py)."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -41,32 +42,64 @@ def _log_while_closing(*errors) -> None:
     kafka_net._close_marked(_Client(), close)
 
 
+def _log_recv_failure(err: BaseException) -> None:
+    """What kafka.net.transport's ``_sock_recv`` logs when ``sock.recv`` raises ``err``."""
+    try:
+        raise err
+    except BaseException:
+        logging.getLogger("kafka.net.transport").exception("%s: Error receiving network data closing socket",
+                                                           "<KafkaTCPTransport [none] (closed)>")
+
+
+_CLOSE_ARTIFACTS = (Errors.Cancelled(), RuntimeError("Transport closed for writes"), RuntimeError("NetworkSelector closed!"),
+                    Errors.KafkaConnectionError("Node not connected"))
+
+
 def test_a_refresh_cancelled_by_a_close_is_debug_not_error(caplog):
     caplog.set_level(logging.INFO, logger="kafka.cluster")
-    _log_while_closing(Errors.Cancelled(), RuntimeError("Transport closed for writes"))
+    _log_while_closing(*_CLOSE_ARTIFACTS)
     assert [r for r in caplog.records if r.name == "kafka.cluster"] == []
 
     caplog.set_level(logging.DEBUG, logger="kafka.cluster")
-    _log_while_closing(Errors.Cancelled(), RuntimeError("Transport closed for writes"))
+    _log_while_closing(*_CLOSE_ARTIFACTS)
     assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "kafka.cluster"] == [
         ("DEBUG", "Metadata refresh: failed Cancelled"),
         ("DEBUG", "Metadata refresh: failed Transport closed for writes"),
+        ("DEBUG", "Metadata refresh: failed NetworkSelector closed!"),
+        ("DEBUG", "Metadata refresh: failed KafkaConnectionError: Node not connected"),
     ]
     assert not kafka_net._CLOSING  # the mark ends with the close
+
+
+def test_a_read_woken_by_its_clients_close_is_debug_but_another_read_failure_is_an_error(caplog):
+    """kafka-python #3097: the close sets the socket to None, and a read it woke calls ``None.recv``."""
+    caplog.set_level(logging.INFO, logger="kafka.net.transport")
+    gone, closed = AttributeError("'NoneType' object has no attribute 'recv'"), OSError(errno.EBADF, "Bad file descriptor")
+    kafka_net._close_marked(_Client(), lambda: (_log_recv_failure(gone), _log_recv_failure(closed)))
+    assert [r for r in caplog.records if r.name == "kafka.net.transport"] == []
+    reset = ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+    kafka_net._close_marked(_Client(), lambda: _log_recv_failure(reset))  # the broker's doing, close or not
+    _log_recv_failure(gone)  # not in a close: whatever set the socket to None, it is not ours to hide
+    assert [(r.levelname, type(r.exc_info[1])) for r in caplog.records if r.name == "kafka.net.transport"] == [
+        ("ERROR", ConnectionResetError), ("ERROR", AttributeError)]
 
 
 def test_a_refresh_that_really_failed_is_still_an_error(caplog):
     """Another cause, another message, or the same two outside a close (a connection the broker dropped)."""
     caplog.set_level(logging.INFO, logger="kafka.cluster")
-    _log_while_closing(Errors.KafkaConnectionError("broker gone"))
+    _log_while_closing(Errors.KafkaConnectionError("broker gone"), "a string, not an error", [1, 2])
     _cluster_log().error("something else: %s", Errors.Cancelled())
-    _cluster_log().error("Metadata refresh: failed %s", Errors.Cancelled())
-    _cluster_log().error("Metadata refresh: failed %s", RuntimeError("Transport closed for writes"))
+    for err in _CLOSE_ARTIFACTS:
+        _cluster_log().error("Metadata refresh: failed %s", err)
     assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "kafka.cluster"] == [
         ("ERROR", "Metadata refresh: failed KafkaConnectionError: broker gone"),
+        ("ERROR", "Metadata refresh: failed a string, not an error"),
+        ("ERROR", "Metadata refresh: failed [1, 2]"),
         ("ERROR", "something else: Cancelled"),
         ("ERROR", "Metadata refresh: failed Cancelled"),
         ("ERROR", "Metadata refresh: failed Transport closed for writes"),
+        ("ERROR", "Metadata refresh: failed NetworkSelector closed!"),
+        ("ERROR", "Metadata refresh: failed KafkaConnectionError: Node not connected"),
     ]
 
 
@@ -101,11 +134,16 @@ def test_clients_closed_mid_refresh_log_no_error(conn, topics, caplog):
 
     Before the close was marked: 30 such rounds logged "Metadata refresh: failed Cancelled" 11 times and
     "Metadata refresh: failed Transport closed for writes" twice, all at ERROR, all on the closing clients'
-    IO threads (the kind is a race: a round may log neither).
+    IO threads (the kind is a race: a round may log neither). Each round also reads an exact range.
     """
     ensure_topics(conn, topics)
+    producer = KafkaProducer(**conn.client_kwargs())
+    for k in range(600):
+        producer.send(topics.events, key=f"e{k}".encode(), value=b"y" * 100)
+    producer.close()
     caplog.set_level(logging.DEBUG, logger="kafka.cluster")
-    for _ in range(40):
+    caplog.set_level(logging.DEBUG, logger="kafka.net.transport")
+    for i in range(40):
         end_offsets(conn, topics.events)
         with PartitionReader(conn) as reader:
             reader._client.cluster.request_update()
@@ -115,9 +153,14 @@ def test_clients_closed_mid_refresh_log_no_error(conn, topics, caplog):
         consumer = KafkaConsumer(topics.events, **conn.client_kwargs())
         consumer.poll(timeout_ms=10)
         consumer.close()
-    failed = [(r.levelname, r.getMessage()) for r in caplog.records
-              if r.name == "kafka.cluster" and r.getMessage().startswith("Metadata refresh: failed")]
-    assert [f for f in failed if f[0] != "DEBUG"] == []
+        # an exact-range read closes its consumer with the next fetch in flight: 30 such reads logged one each of
+        # "NetworkSelector closed!", "Node not connected" and kafka-python #3097's None.recv, at ERROR
+        end = {tp: n - i % 3 for tp, n in end_offsets(conn, topics.events).items()}
+        assert sum(map(len, read_range(conn, ranges_from(topic=topics.events, start={}, end=end)))) > 0
+    failed = [(r.name, r.levelname, r.getMessage()) for r in caplog.records
+              if r.name == "kafka.cluster" and r.getMessage().startswith("Metadata refresh: failed")
+              or r.name == "kafka.net.transport" and r.msg == kafka_net._RECV_FAILED]
+    assert [f for f in failed if f[1] != "DEBUG"] == []
     assert not kafka_net._CLOSING
 
 
