@@ -52,16 +52,21 @@ Examples:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from pipelines.clip import fold_tail
 from pipelines.recipes import Recipe
-from schemas.events import EpisodeFinished, EpisodeStarted, Event, Feedback, Step, StepVerified
+from pipelines.types import PlainEpisode
+from pipelines.verify import verify_steps
+from schemas.datasets import TrajectoryRow, Verification
+from schemas.events import (JUDGED_TERMINATIONS, EpisodeFinished, EpisodeStarted, Event, Feedback, Step, StepVerified,
+                            termination_of)
 
 __all__ = ["EventColumns", "Split", "event_columns", "split_plain", "segment_rewards", "plan_clips", "clip_segments",
+           "plain_episodes", "PLAIN_COUNTS",
            "KIND_OTHER", "KIND_STARTED", "KIND_STEP",
            "KIND_VERIFIED", "KIND_FINISHED", "KIND_FEEDBACK"]
 
@@ -293,3 +298,149 @@ def clip_segments(offsets: np.ndarray, keep: np.ndarray, r: np.ndarray, G: np.nd
             r[a:b], G[a:b], A[a:b], keep=int(keep[e]), gamma=gamma, lam=lam, reward_min=reward_min,
             reward_max=reward_max)
     return new_offsets, r2, G2, A2
+
+
+#: The counts :func:`plain_episodes` keeps: the names the per-episode stages count under (verify, rewards, clip).
+PLAIN_COUNTS = ("steps_verified", "steps_failed_token_consistency", "episodes_without_domain_verifier",
+                "episodes_domain_verifiers_skipped", "verifier_errors", "verifier_disagreements",
+                "verifier_agreements", "steps_rewarded", "episodes_excluded", "episodes_clipped",
+                "steps_dropped_by_clip")
+
+
+def plain_episodes(cols: EventColumns, split: Split, picks: np.ndarray, recipe: Recipe, *,
+                   verify_step: Callable[..., Any] | None = None,
+                   not_found: type[Exception] = LookupError) -> tuple[list[PlainEpisode], dict[str, int]]:
+    """The rows of the ``picks`` episodes (plain ones) as verify → rewards → clip → row staging would make them.
+
+    The plan's step 3 (docs/pipelines.md). For each picked episode, what the object path does to it
+    once :class:`pipelines.frames.EpisodeAssembler` has assembled it, with no
+    :class:`~pipelines.types.Episode` made: its recorded verdicts grouped by step, then the pipeline's
+    (:func:`pipelines.verify.verify_steps`, the same function :class:`~pipelines.verify.VerifySteps` calls; the
+    domain verifiers stay per step); each step's verdict figures (:func:`pipelines.sinks.step_figures`);
+    the rewards, returns and advantages of all of them at once (:func:`segment_rewards`) and the clip
+    (:func:`plan_clips`, :func:`clip_segments`); its trajectory row with
+    :func:`pipelines.sinks.trajectory_row`'s values. :class:`pipelines.sinks.RowsBuffer` stages a
+    :class:`~pipelines.types.PlainEpisode` into the same columns as the processed ``Episode``
+    (tests/pipelines/test_columnar.py holds the staged tables equal, byte for byte).
+
+    Args:
+        cols: the task's valid events.
+        split: :func:`split_plain` of ``cols``.
+        picks: bool ``[n_episodes]``, the episodes to do: plain ones (and no evaluation episodes,
+            which leave for the evaluations table before these stages).
+        recipe: the recipe (not a ``prm`` one).
+        verify_step: ``rollout.verifiers.verify_step`` (None: the generic check only).
+        not_found: the exception ``verify_step`` raises for a domain without verifiers.
+
+    Returns:
+        The picked episodes' :class:`~pipelines.types.PlainEpisode` (in ``cols`` order) and the counts
+        of :data:`PLAIN_COUNTS` the stages would have made.
+    """
+    from pipelines.rewards import _all_true
+    from pipelines.sinks import _recipe_ids, step_figures
+
+    counts = dict.fromkeys(PLAIN_COUNTS, 0)
+    picked = np.flatnonzero(picks)
+    if not len(picked):
+        return [], counts
+    version, recipe_hash = _recipe_ids(recipe)
+    weights = recipe.verifier_weights
+    events = cols.events
+    order, offsets = split.order, split.offsets
+    kinds = cols.kind[order].tolist()
+    order = order.tolist()
+    E = len(picked)
+    starts, finishes, all_steps, all_verdicts, n_events, times = [], [], [], [], [], []
+    scores: list[float] = []
+    figures = []
+    outcome = np.empty(E, np.float64)
+    trainable = np.zeros(E, bool)
+    terminations = []
+    n_steps = np.zeros(E, np.int64)
+    for k, e in enumerate(picked.tolist()):
+        a, b = offsets[e], offsets[e + 1]
+        evs = [events[i] for i in order[a:b]]
+        ks = kinds[a:b]
+        started = evs[0]  # plain: the event at seq 0 is episode_started
+        finished = evs[ks.index(KIND_FINISHED)]  # the first, as assemble_episode takes it
+        steps = [ev for ev, kind in zip(evs, ks) if kind == KIND_STEP]
+        recorded: list[list[Verification]] = [[] for _ in steps]
+        if KIND_VERIFIED in ks:  # plain: each judges one of the steps, which are steps 0, 1, 2, ... in seq order
+            for ev, kind in zip(evs, ks):
+                if kind == KIND_VERIFIED:
+                    recorded[ev.step_index].append(Verification(verifier=ev.verifier, passed=ev.passed,
+                                                                score=ev.score, details=ev.details,
+                                                                source="rollout"))
+        out = verify_steps(started.domain, started, steps, recorded, verify_step=verify_step, not_found=not_found)
+        counts["episodes_domain_verifiers_skipped"] += out.spec_skipped
+        counts["steps_failed_token_consistency"] += out.tokens_failed
+        counts["episodes_without_domain_verifier"] += out.no_verifier
+        counts["verifier_errors"] += out.errors
+        counts["verifier_disagreements"] += out.disagreements
+        counts["verifier_agreements"] += out.agreements
+        fig = [step_figures(vs, weights) for vs in out.verdicts]
+        figures.append(fig)
+        scores += [f[0] for f in fig]
+        termination = termination_of(finished)
+        terminations.append(termination)
+        trainable[k] = termination in JUDGED_TERMINATIONS and len(steps) > 0  # Episode.trainable, before the clip
+        outcome[k] = finished.outcome_reward
+        n_steps[k] = len(steps)
+        starts.append(started)
+        finishes.append(finished)
+        all_steps.append(steps)
+        all_verdicts.append(out.verdicts)
+        n_events.append(b - a)
+        times.append([ev.event_time for ev in evs])
+    S = int(n_steps.sum())
+    counts["steps_verified"] = counts["steps_rewarded"] = S
+    counts["episodes_excluded"] = int(E - trainable.sum())
+    step_offsets = np.zeros(E + 1, np.int64)
+    np.cumsum(n_steps, out=step_offsets[1:])
+    r, G, A = segment_rewards(recipe, offsets=step_offsets, sigma=np.asarray(scores, np.float64), outcome=outcome,
+                              trainable=trainable)
+    action_tokens = np.fromiter((len(s.action_token_ids) for steps in all_steps for s in steps), np.int64, S)
+    keep, masked_from = plan_clips(step_offsets, action_tokens, max_steps=recipe.max_steps,
+                                   max_action_tokens=recipe.max_action_tokens)
+    kept_offsets, r, G, A = clip_segments(step_offsets, keep, r, G, A, gamma=recipe.gamma, lam=recipe.lam,
+                                          reward_min=recipe.reward_min, reward_max=recipe.reward_max)
+    out_episodes = []
+    keep, masked_from, kept_offsets = keep.tolist(), masked_from.tolist(), kept_offsets.tolist()
+    for k in range(E):
+        started, finished, T, n = starts[k], finishes[k], int(n_steps[k]), keep[k]
+        steps, verdicts, fig = all_steps[k][:n], all_verdicts[k][:n], figures[k][:n]
+        masks = [_all_true(len(s.action_token_ids)) for s in steps]
+        clipped = n < T or masked_from[k] >= 0
+        tokens_masked = 0
+        if masked_from[k] >= 0:
+            tokens_masked = int(masks[-1][masked_from[k]:].sum())
+            masks[-1][masked_from[k]:] = False
+        if clipped:
+            counts["episodes_clipped"] += 1
+            counts["steps_dropped_by_clip"] += T - n
+        termination = terminations[k]
+        excluded = termination if termination not in JUDGED_TERMINATIONS else (None if steps else "no_steps")
+        a, b = kept_offsets[k], kept_offsets[k + 1]
+        returns = G[a:b]
+        disagreements = tuple(f[2] for f in fig)
+        episode_id = cols.episode_ids[picked[k]]
+        ts = times[k]
+        row = TrajectoryRow(
+            episode_id=episode_id, domain=started.domain, recipe=version, recipe_hash=recipe_hash,
+            task_id=started.task_id, task_group=started.task_group or started.task_id,
+            policy_version=started.policy_version, difficulty=started.difficulty,
+            status=finished.status.value, termination=termination, trainable=excluded is None,
+            excluded_reason=excluded, complete=True, incomplete_reason=None, num_events=n_events[k],
+            num_steps=n, steps_dropped=T - n, action_tokens=sum(len(s.action_token_ids) for s in steps),
+            tokens_masked=tokens_masked, clipped=clipped, outcome_reward=finished.outcome_reward,
+            episode_return=float(returns[0]) if n else 0.0, normalized_return=0.0, group_advantage=0.0,
+            group_size=started.group_size, group_member=started.group_member, group_members=0,
+            group_timed_out=False, policy_lineage=started.policy_lineage,
+            verifier_summary=finished.verifier_summary, verifier_disagreements=sum(disagreements),
+            completed_late=False, steps_passed=sum(f[1] for f in fig),
+            first_event_time=min(ts), last_event_time=max(ts))
+        out_episodes.append(PlainEpisode(
+            episode_id=episode_id, domain=started.domain, row=row, steps=steps, verdicts=verdicts,
+            scores=tuple(f[0] for f in fig), disagreements=disagreements, rewards=r[a:b], returns=returns,
+            advantages=A[a:b], loss_masks=masks, sampling=started.sampling))
+    return out_episodes, counts

@@ -65,7 +65,7 @@ from pipelines.groups import (
 from pipelines.normalize import STATS_TAG, RunningStats, normalize_tables
 from pipelines.recipes import Recipe
 from pipelines.rewards import step_passed
-from pipelines.types import METRICS_NAMESPACE, Episode, GroupKey
+from pipelines.types import METRICS_NAMESPACE, Episode, GroupKey, PlainEpisode
 from pipelines.verify import DATA_QUALITY_PREFIX, step_disagreements
 from schemas.arrow import arrow_schema_for, events_to_table
 from schemas.datasets import (
@@ -286,7 +286,10 @@ class RowsBuffer:
     def __len__(self) -> int:
         return len(self._trajs)
 
-    def add(self, episode: Episode) -> None:
+    def add(self, episode: Episode | PlainEpisode) -> None:
+        if type(episode) is PlainEpisode:
+            self._add_plain(episode)
+            return
         if not episode.complete or not episode.steps:
             self._trajs.append(trajectory_row(episode, self._recipe))
             return
@@ -311,6 +314,30 @@ class RowsBuffer:
         c["advantage"].append(episode.advantages)
         norm = episode.normalized_advantages
         c["normalized_advantage"].append(norm if norm is not None else np.zeros(n))
+        self.steps += n
+
+    def _add_plain(self, episode: PlainEpisode) -> None:
+        """What :meth:`add` keeps of a processed episode, from the columnar path's values (the same columns)."""
+        row = episode.row
+        self._trajs.append(row)
+        n = len(episode.steps)
+        if not n:
+            return
+        c, sampling = self._cols, episode.sampling
+        self._episodes.append((row.episode_id, row.task_id, row.task_group, row.status, n, sampling.temperature,
+                               sampling.top_p, sampling.top_k, row.policy_lineage, row.trainable, 0.0,
+                               row.group_members))
+        self._step_counts.append(n)
+        self._clipped.append(row.clipped)
+        self._steps += episode.steps
+        c["loss_mask"] += episode.loss_masks
+        c["verifications"] += episode.verdicts
+        c["verification_score"] += episode.scores
+        c["verifier_disagreements"] += episode.disagreements
+        c["reward"].append(episode.rewards)
+        c["return_to_go"].append(episode.returns)
+        c["advantage"].append(episode.advantages)
+        c["normalized_advantage"].append(np.zeros(n))
         self.steps += n
 
     @property

@@ -11,6 +11,8 @@ per-element cost is 10 µs–0.2 ms in Python):
 * :class:`Episode` — one assembled episode (ordered, deduplicated), which the
   later transforms annotate (verdicts, rewards, advantages, clipping) by
   returning updated copies (``msgspec.structs.replace``), never mutating input.
+* :class:`PlainEpisode` — a plain episode's rows as the columnar path worked them
+  out (:mod:`pipelines.columnar`), on its way to row staging.
 
 Dead letters use :class:`schemas.deadletter.DeadLetter`.
 
@@ -23,12 +25,12 @@ Examples:
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Tuple
+from typing import NamedTuple, Tuple
 
 import msgspec
 import numpy as np
 
-from schemas.datasets import Verification
+from schemas.datasets import TrajectoryRow, Verification
 from schemas.events import (
     JUDGED_TERMINATIONS,
     PURPOSE_TRAIN,
@@ -44,6 +46,7 @@ __all__ = [
     "RawRecords",
     "Fragment",
     "Episode",
+    "PlainEpisode",
     "INCOMPLETE_REASONS",
     "GroupKey",
     "DEAD_LETTER_TAG",
@@ -235,3 +238,40 @@ class Episode(msgspec.Struct, kw_only=True, gc=False):
         """The GRPO group whose statistics the episode's group advantage uses."""
         return self.domain, self.task_group, self.policy_version
 
+
+
+class PlainEpisode(NamedTuple):
+    """A plain episode's dataset rows as :func:`pipelines.columnar.plain_episodes` worked them out.
+
+    What :class:`pipelines.sinks.RowsBuffer` reads from a processed (verified, rewarded, clipped)
+    :class:`Episode`, with no ``Episode`` made: the episode's trajectory row, and its kept steps with
+    their per-step values. ``episode_id``, ``domain`` and ``steps`` are read as an ``Episode``'s are
+    (row staging keys and counts by them).
+
+    Attributes:
+        episode_id: the episode.
+        domain: its domain.
+        row: its ``trajectories/`` row (:func:`pipelines.sinks.trajectory_row`'s values).
+        steps: the steps written (after clipping), in step order.
+        verdicts: per written step, the recorded verdicts then the pipeline's.
+        scores: per written step, ``verification_score``.
+        disagreements: per written step, ``step_disagreements``.
+        rewards: ``r_t`` of the written steps (after clipping).
+        returns: ``G_t``.
+        advantages: ``A_t`` (not normalized).
+        loss_masks: per written step, per action token: trained on.
+        sampling: the behaviour policy's sampling parameters.
+    """
+
+    episode_id: str
+    domain: str
+    row: TrajectoryRow
+    steps: list[Step]
+    verdicts: list[list[Verification]]
+    scores: tuple[float, ...]
+    disagreements: tuple[int, ...]
+    rewards: np.ndarray
+    returns: np.ndarray
+    advantages: np.ndarray
+    loss_masks: list[np.ndarray]
+    sampling: SamplingParams

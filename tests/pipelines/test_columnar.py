@@ -13,21 +13,26 @@ path's floats bit for bit, under every builtin recipe and shaped, bounded, feedb
 
 from __future__ import annotations
 
+from collections import Counter
+
 import msgspec
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from pipelines.assemble import _status, assemble_episode, dedupe_events
 from pipelines.clip import clip_episode
-from pipelines.columnar import (KIND_FINISHED, KIND_STARTED, clip_segments, event_columns, plan_clips, segment_rewards,
-                                split_plain)
+from pipelines.columnar import (KIND_FINISHED, KIND_STARTED, clip_segments, event_columns, plain_episodes, plan_clips,
+                                segment_rewards, split_plain)
 from pipelines.feedback import split_feedback
 from pipelines.recipes import BUILTIN_RECIPES, load_recipe
 from pipelines.rewards import annotate_rewards, step_scores
 from pipelines.frames import EpisodeAssembler
+from pipelines.sinks import RowsBuffer
 from pipelines.types import Episode
+from pipelines.verify import _import_verifiers, verify_steps
 from schemas.events import Feedback, Step, StepVerified
 from streams.feedback import FEEDBACK_SEQ
 from streams.synth import generate_episodes
@@ -192,16 +197,21 @@ RECIPES = [
 ]
 
 
-def _episodes(n: int = 40, seed: int = 11) -> list[Episode]:
-    """Synthetic episodes with every fifth one timed out (not trainable) and outcomes off the 0/1 grid."""
+def _episode_events(n: int = 40, seed: int = 11) -> list[tuple[str, list]]:
+    """Synthetic episodes' events, every fifth one timed out (not trainable), outcomes off the 0/1 grid."""
     rng = np.random.default_rng(seed)
     out = []
     for i, events in enumerate(generate_episodes(n, seed=seed)):
         fin = events[-1]
         fin = msgspec.structs.replace(fin, termination="timeout" if i % 5 == 0 else fin.termination,
                                       outcome_reward=float(rng.uniform(-1.0, 2.0)) if i % 3 else fin.outcome_reward)
-        out.append(assemble_episode(events[0].episode_id, [*events[:-1], fin], complete=True, reason=None))
+        out.append((events[0].episode_id, [*events[:-1], fin]))
     return out
+
+
+def _episodes(n: int = 40, seed: int = 11) -> list[Episode]:
+    """:func:`_episode_events` assembled."""
+    return [assemble_episode(eid, events, complete=True, reason=None) for eid, events in _episode_events(n, seed)]
 
 
 def _bits(x: np.ndarray) -> np.ndarray:
@@ -242,3 +252,63 @@ def test_a_prm_recipe_is_refused():
     with pytest.raises(ValueError, match="process-reward model"):
         segment_rewards(recipe, offsets=np.array([0, 1]), sigma=np.zeros(1), outcome=np.zeros(1),
                         trainable=np.array([True]))
+
+
+# --- step 3: the rows of plain episodes, staged as the object path stages them ------------------------------------
+
+def _object_rows(episodes: list[Episode], recipe, verify_step, not_found) -> tuple[RowsBuffer, Counter]:
+    """verify → rewards → clip → row staging, one episode at a time, as the job's stages do it; and their counts."""
+    rows, counts = RowsBuffer(recipe), Counter()
+    for episode in episodes:
+        out = verify_steps(episode.domain, episode.started, episode.steps, episode.verdicts, verify_step=verify_step,
+                           not_found=not_found)
+        counts.update(steps_verified=len(episode.steps), steps_rewarded=len(episode.steps),
+                      episodes_excluded=not episode.trainable, episodes_domain_verifiers_skipped=out.spec_skipped,
+                      steps_failed_token_consistency=out.tokens_failed, verifier_errors=out.errors,
+                      episodes_without_domain_verifier=out.no_verifier, verifier_agreements=out.agreements,
+                      verifier_disagreements=out.disagreements)
+        episode = annotate_rewards(msgspec.structs.replace(episode, verdicts=out.verdicts), recipe)
+        episode = clip_episode(episode, max_steps=recipe.max_steps, max_action_tokens=recipe.max_action_tokens,
+                               gamma=recipe.gamma, lam=recipe.lam, reward_min=recipe.reward_min,
+                               reward_max=recipe.reward_max)
+        counts.update(episodes_clipped=episode.clipped, steps_dropped_by_clip=episode.steps_dropped)
+        rows.add(episode)
+    return rows, counts
+
+
+def _ipc(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def assert_plain_rows_are_the_object_paths(by_episode: list[tuple[str, list]], recipe, *, domain_verifiers=True) -> int:
+    """The plain episodes of ``by_episode``, staged from :func:`plain_episodes` and from the processed ``Episode``
+    objects: the same trajectories and steps tables, byte for byte (Arrow IPC), and the same counts. Returns how
+    many episodes were plain."""
+    verify_step, not_found = _import_verifiers() if domain_verifiers else (None, LookupError)
+    cols = event_columns(by_episode)
+    split = split_plain(cols)
+    plain, counts = plain_episodes(cols, split, split.plain, recipe, verify_step=verify_step, not_found=not_found)
+    episodes = [assemble_episode(eid, sorted(evs, key=lambda e: e.seq), complete=True, reason=None)
+                for (eid, evs), p in zip(by_episode, split.plain) if p]
+    assert [p.episode_id for p in plain] == [e.episode_id for e in episodes]
+    theirs, their_counts = _object_rows(episodes, recipe, verify_step, not_found)
+    mine = RowsBuffer(recipe)
+    for p in plain:
+        mine.add(p)
+    for a, b, name in zip(mine.tables(), theirs.tables(), ("trajectories", "steps")):
+        assert a.equals(b), name
+        assert _ipc(a) == _ipc(b), name
+    assert {k: v for k, v in counts.items() if v} == {k: v for k, v in their_counts.items() if v}
+    return len(plain)
+
+
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if r.reward != "prm"],
+                         ids=lambda r: f"{r.name}-{r.content_hash[:6]}")
+def test_plain_rows_are_the_object_paths_rows_byte_for_byte(recipe):
+    by_episode = _episode_events()
+    # non-plain episodes beside them (left out on both sides), and a plain one in reverse order
+    others = [(eid, _mutate(eid, evs, op, 1)) for (eid, evs), op in zip(_episode_events(12, seed=5), MUTATIONS)]
+    assert assert_plain_rows_are_the_object_paths(by_episode + others, recipe) == 40 + 1  # "shuffle" stays plain

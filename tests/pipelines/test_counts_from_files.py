@@ -28,6 +28,7 @@ from pipelines.assemble import assemble_episode
 from pipelines.columnar import event_columns, segment_rewards, split_plain
 from pipelines.inputs import KafkaInput
 from pipelines.recipes import load_recipe
+from tests.pipelines.test_columnar import assert_plain_rows_are_the_object_paths
 from pipelines.trajectory_job import COUNT_KEYS, run_batch
 from schemas.codec import EventDecodeError, decode_event
 from schemas.manifests import read_dataset_manifests
@@ -125,3 +126,8 @@ def test_counts_are_exact_without_runner_metrics(kafka_broker, topic_name, tmp_p
     assert rows.height == offsets[-1] > 0
     assert rows["reward"].to_numpy().tobytes() == r.tobytes()
     assert rows["return_to_go"].to_numpy().tobytes() == G.tobytes()
+
+    # Their rows by the columnar step 3 (domain verifiers run on the real task specs), staged as the object path
+    # stages the processed episodes: the same tables, byte for byte, and the same counts; with a clip too.
+    for recipe in (load_recipe("verification_shaped"), load_recipe("discounted", max_steps=2, max_action_tokens=24)):
+        assert assert_plain_rows_are_the_object_paths(list(by_episode.items()), recipe) == len(plain)
