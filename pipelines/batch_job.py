@@ -73,6 +73,7 @@ from pipelines.frames import (
     CLOCK_TAG,
     FRAMES_TAG,
     IN_PLACE_DIR,
+    PlainPlan,
     UNDECIDED_TAG,
     AssembleEpisodesFromFrames,
     AssembleInPlace,
@@ -202,6 +203,7 @@ def _run_batch_locked(
     tokenizer: str | None = None,
     workers: int | None = None,
     in_place: bool = True,
+    columnar: bool = True,
 ) -> dict[str, int]:
     """One micro-batch: recover, read the uncovered input, run the pipeline, commit (under the lock: :func:`run_batch`).
 
@@ -232,6 +234,9 @@ def _run_batch_locked(
             that read it (:class:`pipelines.frames.AssembleInPlace`; the shuffle carries only those of
             the pending state). :func:`run_batch` runs a micro-batch again with False when an episode's
             events were in two partitions.
+        columnar: with ``in_place``, its plain episodes (complete, nothing to resolve) are verified,
+            rewarded, clipped and staged by the columnar path (:mod:`pipelines.columnar`), many at once;
+            the same rows (False: every episode through the per-episode stages; for comparisons).
 
     Returns:
         The counts (keys :data:`COUNT_KEYS`); all zero when there was no new input.
@@ -314,8 +319,12 @@ def _run_batch_locked(
             ledger_dir = loc.join(staging, IN_PLACE_DIR)
             if len(pending_ids) * 16 < FORK_MIN_EVENTS:
                 shuffle_workers = 1
+            # Plain episodes (pipelines/columnar.py) go from the read straight to row staging, processed many at once.
+            plain = (PlainPlan(recipe, use_domain_verifiers, downstream()[-1].name)
+                     if columnar and recipe.reward != "prm" else None)
             in_place_stage = AssembleInPlace(split=pending_ids, buckets=buckets, ledger_dir=ledger_dir,
-                                             committed=committed, future_after_s=future_after_s, spill_dir=spill)
+                                             committed=committed, future_after_s=future_after_s, spill_dir=spill,
+                                             plain=plain)
             chain = p | "ReadKafka" >> ReadKafkaRange(plan.input.conn, plan.input.topic, list(plan.ranges),
                                                       downstream=[in_place_stage.stage(), *downstream()],
                                                       workers=workers)

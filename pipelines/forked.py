@@ -85,7 +85,7 @@ from apache_beam.utils.windowed_value import WindowedValue
 
 from pipelines.beam_overhead import read_zlib_pickles
 
-__all__ = ["ChainStage", "ForkedChain", "ForkedWorkerDied", "LAZY_IMPORTS", "close_pools", "in_global_window",
+__all__ = ["ChainStage", "ForkedChain", "ToStage", "ForkedWorkerDied", "LAZY_IMPORTS", "close_pools", "in_global_window",
            "output_tag", "per_task", "usable_cpus", "worker_pids"]
 
 
@@ -105,6 +105,18 @@ class ChainStage(NamedTuple):
     name: str
     fn: beam.DoFn
     tags: tuple[str, ...] = ()
+
+
+class ToStage(NamedTuple):
+    """An output that skips ahead: ``value`` goes into the chain's stage named ``stage``, not into the next one.
+
+    For a stage that has already done what the stages between it and ``stage`` do to a value
+    (:class:`pipelines.frames.AssembleInPlace`'s plain episodes, processed by the columnar path, go
+    straight to row staging). Only a later stage of the same chain; a main output only.
+    """
+
+    stage: str
+    value: Any
 
 
 def output_tag(stage: str, tag: str) -> str:
@@ -349,6 +361,7 @@ def _unwrap(value: Any) -> Any:
 def _run_chain(chain: Sequence[ChainStage], elements: Sequence[Any]) -> _Result:
     """``elements`` through ``chain`` as one bundle (see the module docstring)."""
     result = _Result()
+    index = {stage.name: i for i, stage in enumerate(chain)}
     for stage in chain:
         stage.fn.start_bundle()
 
@@ -360,10 +373,18 @@ def _run_chain(chain: Sequence[ChainStage], elements: Sequence[Any]) -> _Result:
                 continue
             if isinstance(out, beam.pvalue.TaggedOutput):
                 result.outputs.append((output_tag(name, out.tag), _unwrap(out.value)))
+                continue
+            value = _unwrap(out)
+            if type(value) is ToStage:
+                j = index.get(value.stage, -1)
+                if j <= i:
+                    raise ValueError(f"stage {name!r} sent a value to {value.stage!r}, which is not a later stage "
+                                     f"of its chain ({', '.join(index)})")
+                route(j, chain[j].fn.process(value.value))
             elif last:
-                result.outputs.append((None, _unwrap(out)))
+                result.outputs.append((None, value))
             else:
-                route(i + 1, chain[i + 1].fn.process(_unwrap(out)))
+                route(i + 1, chain[i + 1].fn.process(value))
 
     for value in elements:
         route(0, chain[0].fn.process(value))

@@ -39,10 +39,11 @@ import uuid
 import zlib
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Tuple
+from typing import Any, NamedTuple, Tuple
 
 import apache_beam as beam
 import msgspec
+import numpy as np
 from apache_beam.metrics import Metrics
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
@@ -61,15 +62,18 @@ from pipelines.assemble import (
 )
 from pipelines.decode import record_dead_letter, validate_event
 from pipelines.feedback import FEEDBACK_TAG, split_feedback
-from pipelines.forked import ChainStage, ForkedChain, in_global_window, output_tag
+from pipelines.columnar import event_columns, plain_episodes, split_plain
+from pipelines.forked import ChainStage, ForkedChain, ToStage, in_global_window, output_tag
 from pipelines.gcpause import gc_paused
 from pipelines.late import LATE_TAG, LateEpisode, LateState, LateStateReader
 from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE, Episode, RawRecords
 from schemas.codec import EventDecodeError, decode_event, encode_event
 from schemas.deadletter import DeadLetter
-from schemas.events import Event
+from pipelines.recipes import Recipe
+from schemas.events import PURPOSE_EVAL, Event
 
 __all__ = [
+    "PlainPlan",
     "FrameBlob",
     "FrameRef",
     "spill_blobs",
@@ -361,6 +365,19 @@ class EpisodeAssembler:
         self._c["future_events"].inc(len(times) - len(present))
         return max(present, default=None)
 
+    def settled(self, episode_id: str) -> bool:
+        """An earlier commit emitted the episode or wrote it incomplete: its events are for :meth:`__call__`."""
+        return episode_id in self._already or episode_id in self._late.incomplete
+
+    def count_plain(self, events: list[Event]) -> None:
+        """Count a plain episode (:mod:`pipelines.columnar`) as :meth:`__call__` would: complete, nothing to
+        resolve (the clock, ``future_events``, ``events_used``, ``episodes_complete``); its rows are made elsewhere."""
+        latest = self._clock_time(events)
+        if latest is not None and (self._latest is None or latest > self._latest):
+            self._latest = latest
+        self._c["events_used"].inc(len(events))
+        self._c["episodes_complete"].inc()
+
     def __call__(self, episode_id: str, events: list[Event]) -> Iterator[Any]:
         if not events:
             return
@@ -538,16 +555,23 @@ class _AssembleInPlaceFn(beam.DoFn):
 
     def __init__(self, split: frozenset[str], max_event_bytes: int, buckets: int, ledger_dir: str, *,
                  late: LateState | None, future_after_s: float, committed: Any = None,
-                 spill_dir: str | None = None) -> None:
+                 spill_dir: str | None = None, plain: PlainPlan | None = None) -> None:
         self._split, self._max, self._buckets = split, max_event_bytes, buckets
         self._ledger_dir, self._spill_dir = ledger_dir, spill_dir
+        self._plain = plain
+        extra = ("steps_rewarded", "episodes_excluded") if plain is not None else ()  # the rewards stage's counts
         self._assemble = EpisodeAssembler(frozenset(), late=late, future_after_s=future_after_s,
-                                          committed=committed, counts=("events_in", "batches_in"))
+                                          committed=committed, counts=("events_in", "batches_in", *extra))
         c = self._assemble.counts
         self._events_in, self._batches_in, self._dead = c["events_in"], c["batches_in"], c["dead_letters"]
+        self._verify_step, self._not_found = None, LookupError
 
     def setup(self) -> None:
         self._assemble.setup()
+        if self._plain is not None and self._plain.use_domain_verifiers:
+            from pipelines.verify import _import_verifiers
+
+            self._verify_step, self._not_found = _import_verifiers()
 
     def start_bundle(self) -> None:
         self._raw: dict[str, list[tuple]] = defaultdict(list)
@@ -584,6 +608,8 @@ class _AssembleInPlaceFn(beam.DoFn):
         shuffled: list[str] = []
         groups: dict[int, list[tuple]] = defaultdict(list)  # bucket → (partition, offset, ts, key, frame, episode)
         raw, self._raw = self._raw, defaultdict(list)
+        chunk: list[tuple[str, list[Event]]] = []  # decoded episodes for the columnar path (with ``plain``)
+        chunk_events = 0
         for episode_id in sorted(raw):
             records = raw.pop(episode_id)
             if episode_id in self._split:  # joins its pending fragment after the shuffle
@@ -595,8 +621,17 @@ class _AssembleInPlaceFn(beam.DoFn):
                 events, dead = self._decode(episode_id, records)
             for letter in dead:
                 yield in_global_window(beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, letter))
-            for out in self._assemble(episode_id, events):
-                yield in_global_window(out)
+            if self._plain is None:
+                for out in self._assemble(episode_id, events):
+                    yield in_global_window(out)
+                continue
+            chunk.append((episode_id, events))
+            chunk_events += len(events)
+            if chunk_events >= PLAIN_CHUNK_EVENTS:
+                yield from self._columnar(chunk)
+                chunk, chunk_events = [], 0
+        if chunk:
+            yield from self._columnar(chunk)
         blobs = [FrameBlob(self._topic, *map(list, zip(*g))).encode() for g in groups.values()]
         if self._spill_dir is not None and blobs:
             blobs = spill_blobs(self._spill_dir, blobs)
@@ -606,6 +641,65 @@ class _AssembleInPlaceFn(beam.DoFn):
         with open(os.path.join(self._ledger_dir, f"{uuid.uuid4().hex}.ledger"), "wb") as f:
             f.write(_ENCODER.encode(InPlaceLedger(in_place=in_place, shuffled=shuffled)))
         yield from self._assemble.clock_output()
+
+    def _columnar(self, chunk: list[tuple[str, list[Event]]]) -> Iterator[Any]:
+        """Decoded episodes → the plain ones' rows to the row-staging stage, the others through the assembler."""
+        plan = self._plain
+        with gc_paused():
+            cols = event_columns(chunk)
+            split = split_plain(cols, exclude=_Settled(self._assemble))
+            picks = split.plain.copy()
+            for e in np.flatnonzero(picks).tolist():  # evaluation episodes leave for their table first
+                if cols.events[split.order[split.offsets[e]]].purpose == PURPOSE_EVAL:
+                    picks[e] = False
+        for (episode_id, events), pick in zip(chunk, picks.tolist()):
+            if pick:
+                self._assemble.count_plain(events)
+            else:
+                for out in self._assemble(episode_id, events):
+                    yield in_global_window(out)
+        with gc_paused():
+            plain, counts = plain_episodes(cols, split, picks, plan.recipe, verify_step=self._verify_step,
+                                           not_found=self._not_found)
+        c = self._assemble.counts
+        c["steps_rewarded"].inc(counts.pop("steps_rewarded"))
+        c["episodes_excluded"].inc(counts.pop("episodes_excluded"))
+        for name, n in counts.items():  # the verify and clip stages' Beam counters, under their names
+            if n:
+                Metrics.counter(METRICS_NAMESPACE, name).inc(n)
+        for episode in plain:
+            yield in_global_window(ToStage(plan.stage, episode))
+
+
+class _Settled:
+    """The episode ids an :class:`EpisodeAssembler` must see itself (:meth:`EpisodeAssembler.settled`), as a set."""
+
+    def __init__(self, assembler: EpisodeAssembler) -> None:
+        self._assembler = assembler
+
+    def __contains__(self, episode_id: object) -> bool:
+        return self._assembler.settled(episode_id)
+
+    def __bool__(self) -> bool:
+        return True
+
+
+class PlainPlan(NamedTuple):
+    """What :class:`AssembleInPlace` needs to process plain episodes itself (:mod:`pipelines.columnar`).
+
+    Attributes:
+        recipe: the run's recipe (not a ``prm`` one).
+        use_domain_verifiers: as :class:`pipelines.verify.VerifySteps`'.
+        stage: the name of the chain's row-staging stage, which gets their rows.
+    """
+
+    recipe: Recipe
+    use_domain_verifiers: bool
+    stage: str
+
+
+#: Events of decoded episodes the columnar path takes at once (bounds what a task holds decoded).
+PLAIN_CHUNK_EVENTS = 20_000
 
 
 class AssembleInPlace:
@@ -625,6 +719,13 @@ class AssembleInPlace:
     (:class:`InPlaceLedger`) under ``ledger_dir``, and a run in which an episode assembled in one
     bundle was also read by another (:func:`in_place_collisions`) must not commit -- the batch job
     makes it again through the shuffle.
+
+    With ``plain`` (a :class:`PlainPlan`), the plain episodes (:func:`pipelines.columnar.split_plain`,
+    training episodes only) skip the assembler and the chain's per-episode stages: the columnar path
+    verifies, rewards and clips them many at once (:func:`pipelines.columnar.plain_episodes`) and sends
+    their rows straight to the chain's row-staging stage (:class:`pipelines.forked.ToStage`), counted
+    as those stages count (the rewards stage's counts on this step's ``counts``, the verify and clip
+    counters under their names). The rest go through the assembler and the stages as before.
     """
 
     #: Its tagged outputs (the main output is ``episodes``).
@@ -632,9 +733,10 @@ class AssembleInPlace:
 
     def __init__(self, *, split: Iterable[str] = (), max_event_bytes: int = 1 << 20, buckets: int = 1,
                  ledger_dir: str, late: LateState | None = None, future_after_s: float = math.inf,
-                 committed: Any = None, spill_dir: str | None = None) -> None:
+                 committed: Any = None, spill_dir: str | None = None, plain: PlainPlan | None = None) -> None:
         self._fn = _AssembleInPlaceFn(frozenset(split), max_event_bytes, buckets, ledger_dir, late=late,
-                                      future_after_s=future_after_s, committed=committed, spill_dir=spill_dir)
+                                      future_after_s=future_after_s, committed=committed, spill_dir=spill_dir,
+                                      plain=plain)
 
     def stage(self, name: str = "assemble_in_place") -> ChainStage:
         """This step as a stage of a :class:`pipelines.forked.ForkedChain` (after the read)."""

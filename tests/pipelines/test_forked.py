@@ -19,7 +19,7 @@ from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
 from pipelines import forked as forked_module
-from pipelines.forked import ChainStage, ForkedChain, ForkedWorkerDied, close_pools, output_tag
+from pipelines.forked import ChainStage, ForkedChain, ForkedWorkerDied, ToStage, close_pools, output_tag
 
 
 class _Split(beam.DoFn):
@@ -402,3 +402,34 @@ def test_a_worker_freezes_what_came_with_the_fork_and_still_collects_its_own_gar
     assert all(frozen > 1000 for _, frozen, _, _ in probes)  # the inherited heap
     assert all(collected for _, _, collected, _ in probes)  # a task's own cyclic garbage is not frozen with it
     assert {threshold for *_, threshold in probes} == {forked_module._WORKER_GC_THRESHOLD}
+
+
+class _Skipper(beam.DoFn):
+    """x → x into the next stage; a negative x (as ``-x``) straight to the stage named ``to``."""
+
+    def __init__(self, to: str) -> None:
+        self._to = to
+
+    def process(self, x):
+        yield ToStage(self._to, -x) if x < 0 else x
+
+
+class _Add(beam.DoFn):
+    def __init__(self, n: int) -> None:
+        self._n = n
+
+    def process(self, x):
+        yield x + self._n
+
+
+def test_a_value_sent_to_a_later_stage_skips_the_stages_between():
+    chain = [ChainStage("skip", _Skipper("last")), ChainStage("middle", _Add(10)), ChainStage("last", _Add(1000))]
+    result = forked_module._run_chain(chain, [1, -2, 3])
+    assert sorted(v for _, v in result.outputs) == [1002, 1011, 1013]  # 2 skipped "middle"; 1 and 3 did not
+
+
+def test_a_value_sent_to_an_earlier_or_unknown_stage_is_an_error():
+    for to in ("skip", "nowhere"):
+        chain = [ChainStage("skip", _Skipper(to)), ChainStage("last", _Add(1))]
+        with pytest.raises(ValueError, match="not a later stage of its chain"):
+            forked_module._run_chain(chain, [-1])
