@@ -416,20 +416,24 @@ def split_episode_ids(files: Sequence[ArchiveFile], *, also: Iterable[str] = ())
 
 class _ReadFileLocalFn(beam.DoFn):
     def __init__(self, split: frozenset[str], already_emitted: frozenset[str], buckets: int, *,
-                 late: LateState | None, future_after_s: float, committed: Any = None) -> None:
-        from pipelines.frames import EpisodeAssembler
+                 late: LateState | None, future_after_s: float, committed: Any = None, plain: Any = None) -> None:
+        from pipelines.frames import EpisodeAssembler, PlainPath
 
         self._split = split
         self._buckets = buckets
         self._assemble = EpisodeAssembler(already_emitted, late=late, future_after_s=future_after_s,
                                           committed=committed,
-                                          counts=("events_in", "archive_files_read", "episodes_assembled_locally"))
+                                          counts=("events_in", "archive_files_read", "episodes_assembled_locally",
+                                                  *PlainPath.counts_of(plain)))
         c = self._assemble.counts  # one dict per bundle on `counts` (pipelines/counts.py)
         self._events_in, self._dead = c["events_in"], c["dead_letters"]
         self._files, self._local = c["archive_files_read"], c["episodes_assembled_locally"]
+        self._plain = PlainPath(plain, self._assemble) if plain is not None else None
 
     def setup(self) -> None:
         self._assemble.setup()
+        if self._plain is not None:
+            self._plain.setup()
 
     def process(self, f: ArchiveFile) -> Iterator[Any]:
         from pipelines.frames import to_frames
@@ -441,13 +445,26 @@ class _ReadFileLocalFn(beam.DoFn):
             self._dead.inc(len(dead))
         for d in dead:
             yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, d)
+        from pipelines.frames import PLAIN_CHUNK_EVENTS
+
         local = 0
+        chunk: list[tuple[str, list[Event]]] = []  # for the columnar path (with ``plain``)
+        chunk_events = 0
         for episode_id, events in frags:
             if episode_id in self._split:
                 yield beam.pvalue.TaggedOutput(FRAMES_TAG, to_frames((episode_id, events), f.topic, self._buckets))
-            else:
-                local += 1
+                continue
+            local += 1
+            if self._plain is None:
                 yield from self._assemble(episode_id, events)
+                continue
+            chunk.append((episode_id, events))
+            chunk_events += len(events)
+            if chunk_events >= PLAIN_CHUNK_EVENTS:
+                yield from self._plain(chunk)
+                chunk, chunk_events = [], 0
+        if chunk:
+            yield from self._plain(chunk)
         self._local.inc(local)
 
     def finish_bundle(self) -> Iterator[Any]:
@@ -479,6 +496,9 @@ class ReadArchiveEpisodes(beam.PTransform):
             ``workers`` forked processes (a :class:`pipelines.forked.ForkedChain` whose first stage, ``read``,
             reads and assembles): then ``episodes`` is None and their outputs are on ``chain``.
         workers: processes of that chain.
+        plain: a :class:`pipelines.frames.PlainPlan` (with ``downstream``): the plain training episodes are
+            processed by the columnar path and their rows go to ``downstream``'s row-staging stage
+            (:class:`pipelines.frames.PlainPath`); the others are assembled and go through ``downstream``.
 
     Returns:
         A ``DoOutputsTuple`` (a dict with ``downstream``): ``episodes`` (complete :class:`~pipelines.types.Episode` s),
@@ -491,9 +511,11 @@ class ReadArchiveEpisodes(beam.PTransform):
     def __init__(self, archive_dir: str | Path, *, files: Sequence[ArchiveFile] | None = None,
                  split: Iterable[str] = (), already_emitted: Iterable[str] = (), buckets: int = 1,
                  late: LateState | None = None, future_after_s: float = math.inf, committed: Any = None,
-                 downstream: Sequence[Any] = (), workers: int = 1) -> None:
+                 downstream: Sequence[Any] = (), workers: int = 1, plain: Any = None) -> None:
         super().__init__()
-        self._committed = committed
+        if plain is not None and not downstream:
+            raise ValueError("plain episodes go to the row-staging stage of `downstream`; give one")
+        self._committed, self._plain = committed, plain
         self._downstream, self._workers = list(downstream), workers
         self._files = list(files) if files is not None else list_archive_files(archive_dir)
         self._split, self._already = frozenset(split), frozenset(already_emitted)
@@ -510,7 +532,7 @@ class ReadArchiveEpisodes(beam.PTransform):
 
         tags = (DEAD_LETTER_TAG, UNDECIDED_TAG, CLOCK_TAG, FRAMES_TAG, FEEDBACK_TAG, COUNTS_TAG)
         read = _ReadFileLocalFn(self._split, self._already, self._buckets, late=self._late,
-                                future_after_s=self._future_after, committed=self._committed)
+                                future_after_s=self._future_after, committed=self._committed, plain=self._plain)
         files = (pbegin
                  | "ListFiles" >> beam.Create(self._files, reshuffle=False)
                  | "Distribute" >> beam.Reshuffle())

@@ -234,9 +234,10 @@ def _run_batch_locked(
             that read it (:class:`pipelines.frames.AssembleInPlace`; the shuffle carries only those of
             the pending state). :func:`run_batch` runs a micro-batch again with False when an episode's
             events were in two partitions.
-        columnar: with ``in_place``, its plain episodes (complete, nothing to resolve) are verified,
-            rewarded, clipped and staged by the columnar path (:mod:`pipelines.columnar`), many at once;
-            the same rows (False: every episode through the per-episode stages; for comparisons).
+        columnar: with forked workers, the plain episodes (complete, nothing to resolve) of the tasks that
+            read and assemble (archive files; Kafka partitions with ``in_place``) are verified, rewarded,
+            clipped and staged by the columnar path (:mod:`pipelines.columnar`), many at once: the same rows
+            (False: every episode through the per-episode stages; for comparisons).
 
     Returns:
         The counts (keys :data:`COUNT_KEYS`); all zero when there was no new input.
@@ -284,6 +285,11 @@ def _run_batch_locked(
     def downstream() -> list[ChainStage]:  # what follows assembly, run in the forked workers with it
         return [SplitEvaluations().stage(), *process.stages(), write.stage_rows()] if workers > 1 else []
 
+    # Plain episodes (pipelines/columnar.py) of the chains that read and assemble go straight to row staging,
+    # processed many at once by the columnar path.
+    plain = (PlainPlan(recipe, use_domain_verifiers, write.stage_rows().name)
+             if columnar and workers > 1 and recipe.reward != "prm" else None)
+
     # Events cross the one shuffle as their raw frames (pipelines/frames.py), grouped in hash buckets of
     # episodes (a few elements per batch, not one per episode), decoded once, after it.
     # Archive files hold most episodes whole: those are assembled where the file is read, no shuffle.
@@ -298,7 +304,7 @@ def _run_batch_locked(
             shuffle_workers = 1
         read = p | "ReadArchive" >> ReadArchiveEpisodes(
             plan.input.location, files=files, split=split, committed=committed, buckets=buckets,
-            future_after_s=future_after_s, downstream=downstream(), workers=workers)
+            future_after_s=future_after_s, downstream=downstream(), workers=workers, plain=plain)
         local, frames = read, read[FRAMES_TAG]
     else:
         if isinstance(plan, KafkaPlan):
@@ -319,9 +325,6 @@ def _run_batch_locked(
             ledger_dir = loc.join(staging, IN_PLACE_DIR)
             if len(pending_ids) * 16 < FORK_MIN_EVENTS:
                 shuffle_workers = 1
-            # Plain episodes (pipelines/columnar.py) go from the read straight to row staging, processed many at once.
-            plain = (PlainPlan(recipe, use_domain_verifiers, downstream()[-1].name)
-                     if columnar and recipe.reward != "prm" else None)
             in_place_stage = AssembleInPlace(split=pending_ids, buckets=buckets, ledger_dir=ledger_dir,
                                              committed=committed, future_after_s=future_after_s, spill_dir=spill,
                                              plain=plain)

@@ -74,6 +74,7 @@ from schemas.events import PURPOSE_EVAL, Event
 
 __all__ = [
     "PlainPlan",
+    "PlainPath",
     "FrameBlob",
     "FrameRef",
     "spill_blobs",
@@ -558,20 +559,17 @@ class _AssembleInPlaceFn(beam.DoFn):
                  spill_dir: str | None = None, plain: PlainPlan | None = None) -> None:
         self._split, self._max, self._buckets = split, max_event_bytes, buckets
         self._ledger_dir, self._spill_dir = ledger_dir, spill_dir
-        self._plain = plain
-        extra = ("steps_rewarded", "episodes_excluded") if plain is not None else ()  # the rewards stage's counts
         self._assemble = EpisodeAssembler(frozenset(), late=late, future_after_s=future_after_s,
-                                          committed=committed, counts=("events_in", "batches_in", *extra))
+                                          committed=committed,
+                                          counts=("events_in", "batches_in", *PlainPath.counts_of(plain)))
         c = self._assemble.counts
         self._events_in, self._batches_in, self._dead = c["events_in"], c["batches_in"], c["dead_letters"]
-        self._verify_step, self._not_found = None, LookupError
+        self._plain = PlainPath(plain, self._assemble) if plain is not None else None
 
     def setup(self) -> None:
         self._assemble.setup()
-        if self._plain is not None and self._plain.use_domain_verifiers:
-            from pipelines.verify import _import_verifiers
-
-            self._verify_step, self._not_found = _import_verifiers()
+        if self._plain is not None:
+            self._plain.setup()
 
     def start_bundle(self) -> None:
         self._raw: dict[str, list[tuple]] = defaultdict(list)
@@ -628,10 +626,10 @@ class _AssembleInPlaceFn(beam.DoFn):
             chunk.append((episode_id, events))
             chunk_events += len(events)
             if chunk_events >= PLAIN_CHUNK_EVENTS:
-                yield from self._columnar(chunk)
+                yield from map(in_global_window, self._plain(chunk))
                 chunk, chunk_events = [], 0
         if chunk:
-            yield from self._columnar(chunk)
+            yield from map(in_global_window, self._plain(chunk))
         blobs = [FrameBlob(self._topic, *map(list, zip(*g))).encode() for g in groups.values()]
         if self._spill_dir is not None and blobs:
             blobs = spill_blobs(self._spill_dir, blobs)
@@ -642,9 +640,43 @@ class _AssembleInPlaceFn(beam.DoFn):
             f.write(_ENCODER.encode(InPlaceLedger(in_place=in_place, shuffled=shuffled)))
         yield from self._assemble.clock_output()
 
-    def _columnar(self, chunk: list[tuple[str, list[Event]]]) -> Iterator[Any]:
-        """Decoded episodes → the plain ones' rows to the row-staging stage, the others through the assembler."""
-        plan = self._plain
+
+class PlainPath:
+    """The plain episodes of decoded ones processed by the columnar path, the others handed to an assembler.
+
+    For a DoFn that holds episodes whole and assembles them with an :class:`EpisodeAssembler`, in a
+    :class:`pipelines.forked.ForkedChain` whose last stage stages rows (:class:`AssembleInPlace`,
+    :class:`pipelines.archive_source.ReadArchiveEpisodes`). Called with a chunk of decoded episodes
+    (``(episode_id, events)``), it yields the assembler's outputs for the episodes that are not plain
+    (or are evaluation episodes), counts the plain ones as the assembler would
+    (:meth:`EpisodeAssembler.count_plain`), and yields their rows
+    (:func:`pipelines.columnar.plain_episodes`) as :class:`pipelines.forked.ToStage` values for the
+    row-staging stage; the verify, rewards and clip stages' counts go where those stages put them (the
+    rewards stage's on the assembler's ``counts``, which must have :meth:`counts_of` among its names; the
+    others as Beam counters under their names). Outputs are bare: a ``finish_bundle`` wraps them.
+    """
+
+    #: The rewards stage's counts (``counts`` output), kept by the assembler's :class:`BundleCounts`.
+    STAGE_COUNTS = ("steps_rewarded", "episodes_excluded")
+
+    @classmethod
+    def counts_of(cls, plan: PlainPlan | None) -> tuple[str, ...]:
+        """The names an assembler's counts need beside its own when ``plan`` is used."""
+        return cls.STAGE_COUNTS if plan is not None else ()
+
+    def __init__(self, plan: PlainPlan, assembler: EpisodeAssembler) -> None:
+        self._plan, self._assemble = plan, assembler
+        self._verify_step, self._not_found = None, LookupError
+
+    def setup(self) -> None:
+        """Import the domain verifiers (on the worker, once)."""
+        if self._plan.use_domain_verifiers:
+            from pipelines.verify import _import_verifiers
+
+            self._verify_step, self._not_found = _import_verifiers()
+
+    def __call__(self, chunk: list[tuple[str, list[Event]]]) -> Iterator[Any]:
+        plan = self._plan
         with gc_paused():
             cols = event_columns(chunk)
             split = split_plain(cols, exclude=_Settled(self._assemble))
@@ -656,19 +688,18 @@ class _AssembleInPlaceFn(beam.DoFn):
             if pick:
                 self._assemble.count_plain(events)
             else:
-                for out in self._assemble(episode_id, events):
-                    yield in_global_window(out)
+                yield from self._assemble(episode_id, events)
         with gc_paused():
             plain, counts = plain_episodes(cols, split, picks, plan.recipe, verify_step=self._verify_step,
                                            not_found=self._not_found)
         c = self._assemble.counts
-        c["steps_rewarded"].inc(counts.pop("steps_rewarded"))
-        c["episodes_excluded"].inc(counts.pop("episodes_excluded"))
+        for name in self.STAGE_COUNTS:
+            c[name].inc(counts.pop(name))
         for name, n in counts.items():  # the verify and clip stages' Beam counters, under their names
             if n:
                 Metrics.counter(METRICS_NAMESPACE, name).inc(n)
         for episode in plain:
-            yield in_global_window(ToStage(plan.stage, episode))
+            yield ToStage(plan.stage, episode)
 
 
 class _Settled:

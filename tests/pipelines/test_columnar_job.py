@@ -3,11 +3,11 @@
 Real sandboxed rollouts (scripted policy, all four domains) and held-out evaluation episodes (the tiny model through
 ``trajpipe eval``) → a real Kafka broker, plus a rating sent with ``trajpipe feedback``, a replay of a quarter of
 the records (duplicates) and an undecodable record (a dead letter) → the batch job with forked workers assembling
-each partition in place, once with the plain episodes verified, rewarded, clipped and staged by the columnar path
-(:mod:`pipelines.columnar`) and once with every episode through the per-episode stages. Every Parquet file
-committed (trajectories, steps, evaluations, feedback, dead letters) is the same bytes, the counts are the
-same, and the columnar path took the plain episodes: all the complete training episodes but those with a
-replayed record or the feedback.
+each partition in place, and the same records archived and read back by the job, each once with the plain
+episodes verified, rewarded, clipped and staged by the columnar path (:mod:`pipelines.columnar`) and once with
+every episode through the per-episode stages. Every Parquet file committed (trajectories, steps, evaluations,
+feedback, dead letters) is the same bytes, the counts are the same, and the columnar path took the plain
+episodes: all the complete training episodes but those with a replayed record or the feedback.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ import pytest
 
 from pipelines import frames
 from pipelines.forked import close_pools
-from pipelines.inputs import KafkaInput
+from pipelines.inputs import ArchiveInput, KafkaInput
 from pipelines.recipes import load_recipe
 from pipelines.trajectory_job import run_batch
 from schemas.codec import decode_event
+from streams.archive import Archiver
 from streams.config import KafkaConnection
 from tests.helpers import consume_messages, produce_messages, topic_env
 from tests.pipelines.test_counts_from_files import REPO, _rollouts
@@ -66,7 +67,7 @@ def test_the_columnar_path_commits_the_per_episode_paths_files(kafka_broker, top
     replay = records[: len(records) // 4]
     produce_messages(bootstrap, topic_name, replay + [(b"junk-episode", b"not an event frame")])
 
-    # How many episodes each task's columnar path took, written by the forked workers (fresh pools see the patch).
+    # Which episodes each task's columnar path took, written down by the forked workers (fresh pools see the patch).
     seen = tmp_path / "plain"
     seen.mkdir()
     real = frames.plain_episodes
@@ -80,32 +81,43 @@ def test_the_columnar_path_commits_the_per_episode_paths_files(kafka_broker, top
     close_pools()
     conn = KafkaConnection(bootstrap_servers=bootstrap, client_id="trajpipe-test")
     recipe = load_recipe("verification_shaped", max_steps=3, max_action_tokens=48)
-    counts, files = {}, {}
+    # The same records archived (streams/archive.py: bucket files, each episode's events together), then read back.
+    archive = tmp_path / "archive"
+    letters = []
+    Archiver(archive, conn=conn, topic=topic_name, buckets=4, dead_letter=lambda rec, err: letters.append(err)).run()
+    assert len(letters) == 1  # the junk record
+    counts, files, taken = {}, {}, {}
     try:
-        for columnar in (False, True):
-            out = tmp_path / f"columnar-{columnar}"
-            counts[columnar] = run_batch(out=out, recipe=recipe, input=KafkaInput(conn=conn, topic=topic_name),
-                                         workers=2, columnar=columnar)
-            files[columnar] = _files(out)
+        for source, given in (("kafka", KafkaInput(conn=conn, topic=topic_name)), ("archive", ArchiveInput(archive))):
+            for columnar in (False, True):
+                out = tmp_path / f"{source}-columnar-{columnar}"
+                counts[source, columnar] = run_batch(out=out, recipe=recipe, input=given, workers=2,
+                                                     columnar=columnar)
+                files[source, columnar] = _files(out)
+            taken[source] = [e for f in seen.iterdir() for e in json.loads(f.read_text())]
+            for f in seen.iterdir():
+                f.unlink()
     finally:
         close_pools()
+    replayed = {key.decode() for key, _ in replay}
+    assert counts["archive", True] == counts["archive", False]
+    assert files["archive", True] == files["archive", False]  # no dead letter there: the archiver kept the junk one
+    assert counts["archive", True]["episodes"] == 18
+    assert sorted(taken["archive"]) == sorted(training - replayed - {first})  # the archive keeps copies too
 
-    assert counts[True] == counts[False]
-    assert counts[True]["dead_letters"] == 1 and counts[True]["duplicates"] >= len(replay) > 0
-    assert counts[True]["feedback_events"] == 1 and counts[True]["episodes"] == sent["episodes"] + 2 == 18
-    tables = {name.split("/")[0] for name in files[True]}
-    assert {"trajectories", "steps", "evaluations", "dead_letters"} <= tables, tables
+    mine, theirs = counts["kafka", True], counts["kafka", False]
+    assert mine == theirs
+    assert mine["dead_letters"] == 1 and mine["duplicates"] >= len(replay) > 0
+    assert mine["feedback_events"] == 1 and mine["episodes"] == sent["episodes"] + 2 == 18
+    mine, theirs = files["kafka", True], files["kafka", False]
+    assert {"trajectories", "steps", "evaluations", "dead_letters"} <= {name.split("/")[0] for name in mine}
     # Every committed Parquet file byte for byte; a dead letter's row also says when the run found it.
-    letters = {k for k in files[True] if k.startswith("dead_letters/")}
-    assert {k: v for k, v in files[True].items() if k not in letters} == \
-        {k: v for k, v in files[False].items() if k not in letters}
-    assert letters == {k for k in files[False] if k.startswith("dead_letters/")}
+    letters = {k for k in mine if k.startswith("dead_letters/")}
+    assert {k: v for k, v in mine.items() if k not in letters} == {k: v for k, v in theirs.items() if k not in letters}
+    assert letters == {k for k in theirs if k.startswith("dead_letters/")}
     for k in letters:
-        a, b = (pq.read_table(tmp_path / f"columnar-{c}" / k) for c in (True, False))
+        a, b = (pq.read_table(tmp_path / f"kafka-columnar-{c}" / k) for c in (True, False))
         assert a.drop_columns(["timestamp"]).equals(b.drop_columns(["timestamp"]))
 
-    plain = [e for f in seen.iterdir() for e in json.loads(f.read_text())]
-    replayed = {key.decode() for key, _ in replay}
-    assert len(plain) == len(set(plain))
-    assert set(plain) == training - replayed - {first}  # no evaluation episode, none with a copy or feedback
-    assert plain  # the columnar path did the work it was there for
+    # no evaluation episode, none with a copy or feedback; each once
+    assert sorted(taken["kafka"]) == sorted(training - replayed - {first}) != []
