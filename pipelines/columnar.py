@@ -52,6 +52,7 @@ Examples:
 from __future__ import annotations
 
 from collections import Counter
+from itertools import repeat
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, NamedTuple
 
@@ -60,7 +61,7 @@ import numpy as np
 from pipelines.clip import fold_tail
 from pipelines.recipes import Recipe
 from pipelines.types import PlainEpisode
-from pipelines.verify import verify_steps
+from pipelines.verify import _tokens_ok, verify_steps
 from schemas.datasets import TrajectoryRow, Verification
 from schemas.events import (JUDGED_TERMINATIONS, EpisodeFinished, EpisodeStarted, Event, Feedback, Step, StepVerified,
                             termination_of)
@@ -336,111 +337,119 @@ def plain_episodes(cols: EventColumns, split: Split, picks: np.ndarray, recipe: 
         The picked episodes' :class:`~pipelines.types.PlainEpisode` (in ``cols`` order) and the counts
         of :data:`PLAIN_COUNTS` the stages would have made.
     """
-    from pipelines.rewards import _all_true
     from pipelines.sinks import _recipe_ids, step_figures
 
     counts = dict.fromkeys(PLAIN_COUNTS, 0)
     picked = np.flatnonzero(picks)
-    if not len(picked):
+    E = len(picked)
+    if not E:
         return [], counts
     version, recipe_hash = _recipe_ids(recipe)
     weights = recipe.verifier_weights
+    # The picked episodes' events in seq order, flat; each kind's positions in it, found for all of them at once.
+    lengths = np.diff(split.offsets)[picked]
+    event_offsets = np.zeros(E + 1, np.int64)
+    np.cumsum(lengths, out=event_offsets[1:])
+    episode_of = np.repeat(np.arange(E, dtype=np.int64), lengths)
+    where = split.order[np.arange(int(event_offsets[-1]), dtype=np.int64) - event_offsets[:-1][episode_of]
+                        + split.offsets[picked][episode_of]]
+    kind = cols.kind[where]
     events = cols.events
-    order, offsets = split.order, split.offsets
-    kinds = cols.kind[order].tolist()
-    order = order.tolist()
-    E = len(picked)
-    starts, finishes, all_steps, all_verdicts, n_events, times = [], [], [], [], [], []
-    scores: list[float] = []
-    figures = []
-    outcome = np.empty(E, np.float64)
-    trainable = np.zeros(E, bool)
-    terminations = []
-    n_steps = np.zeros(E, np.int64)
-    for k, e in enumerate(picked.tolist()):
-        a, b = offsets[e], offsets[e + 1]
-        evs = [events[i] for i in order[a:b]]
-        ks = kinds[a:b]
-        started = evs[0]  # plain: the event at seq 0 is episode_started
-        finished = evs[ks.index(KIND_FINISHED)]  # the first, as assemble_episode takes it
-        steps = [ev for ev, kind in zip(evs, ks) if kind == KIND_STEP]
-        recorded: list[list[Verification]] = [[] for _ in steps]
-        if KIND_VERIFIED in ks:  # plain: each judges one of the steps, which are steps 0, 1, 2, ... in seq order
-            for ev, kind in zip(evs, ks):
-                if kind == KIND_VERIFIED:
-                    recorded[ev.step_index].append(Verification(verifier=ev.verifier, passed=ev.passed,
-                                                                score=ev.score, details=ev.details,
-                                                                source="rollout"))
-        out = verify_steps(started.domain, started, steps, recorded, verify_step=verify_step, not_found=not_found)
+    flat = [events[i] for i in where.tolist()]
+    starts = [flat[i] for i in event_offsets[:-1].tolist()]  # plain: the event at seq 0 is episode_started
+    finished_at = np.flatnonzero(kind == KIND_FINISHED)
+    _, first = np.unique(episode_of[finished_at], return_index=True)  # the first, as assemble_episode takes it
+    finishes = [flat[i] for i in finished_at[first].tolist()]
+    step_at = np.flatnonzero(kind == KIND_STEP)
+    n_steps = np.bincount(episode_of[step_at], minlength=E)
+    step_offsets = np.zeros(E + 1, np.int64)
+    np.cumsum(n_steps, out=step_offsets[1:])
+    steps = [flat[i] for i in step_at.tolist()]
+    S = len(steps)
+    recorded: list[list[Verification]] = [[] for _ in range(S)]
+    verdict_at = np.flatnonzero(kind == KIND_VERIFIED)
+    if len(verdict_at):  # plain: each judges one of its episode's steps, which are steps 0, 1, 2, ... in seq order
+        step_of = step_offsets[:-1][episode_of[verdict_at]] + cols.step_index[where[verdict_at]]
+        for g, i in zip(step_of.tolist(), verdict_at.tolist()):
+            ev = flat[i]
+            recorded[g].append(Verification(verifier=ev.verifier, passed=ev.passed, score=ev.score,
+                                            details=ev.details, source="rollout"))
+    times = [ev.event_time for ev in flat]
+    ev_bounds = event_offsets.tolist()
+    first_time = [min(times[a:b]) for a, b in zip(ev_bounds, ev_bounds[1:])]
+    last_time = [max(times[a:b]) for a, b in zip(ev_bounds, ev_bounds[1:])]
+    tokens_ok = _tokens_ok(steps)  # one pass over every step's log-probs instead of one an episode
+
+    verdicts: list[list[Verification]] = []
+    bounds = step_offsets.tolist()
+    for started, a, b in zip(starts, bounds, bounds[1:]):
+        out = verify_steps(started.domain, started, steps[a:b], recorded[a:b], verify_step=verify_step,
+                           not_found=not_found, tokens_ok=tokens_ok[a:b])
         counts["episodes_domain_verifiers_skipped"] += out.spec_skipped
         counts["steps_failed_token_consistency"] += out.tokens_failed
         counts["episodes_without_domain_verifier"] += out.no_verifier
         counts["verifier_errors"] += out.errors
         counts["verifier_disagreements"] += out.disagreements
         counts["verifier_agreements"] += out.agreements
-        fig = [step_figures(vs, weights) for vs in out.verdicts]
-        figures.append(fig)
-        scores += [f[0] for f in fig]
-        termination = termination_of(finished)
-        terminations.append(termination)
-        trainable[k] = termination in JUDGED_TERMINATIONS and len(steps) > 0  # Episode.trainable, before the clip
-        outcome[k] = finished.outcome_reward
-        n_steps[k] = len(steps)
-        starts.append(started)
-        finishes.append(finished)
-        all_steps.append(steps)
-        all_verdicts.append(out.verdicts)
-        n_events.append(b - a)
-        times.append([ev.event_time for ev in evs])
-    S = int(n_steps.sum())
+        verdicts += out.verdicts
+    scores, passed, disagreements = (list(x) for x in zip(*map(step_figures, verdicts, repeat(weights)))) \
+        if S else ([], [], [])
+    terminations = [termination_of(f) for f in finishes]
+    trainable = np.fromiter((t in JUDGED_TERMINATIONS for t in terminations), bool, E) & (n_steps > 0)
     counts["steps_verified"] = counts["steps_rewarded"] = S
     counts["episodes_excluded"] = int(E - trainable.sum())
-    step_offsets = np.zeros(E + 1, np.int64)
-    np.cumsum(n_steps, out=step_offsets[1:])
-    r, G, A = segment_rewards(recipe, offsets=step_offsets, sigma=np.asarray(scores, np.float64), outcome=outcome,
+    r, G, A = segment_rewards(recipe, offsets=step_offsets, sigma=np.asarray(scores, np.float64),
+                              outcome=np.fromiter((f.outcome_reward for f in finishes), np.float64, E),
                               trainable=trainable)
-    action_tokens = np.fromiter((len(s.action_token_ids) for steps in all_steps for s in steps), np.int64, S)
+    action_tokens = np.fromiter((len(s.action_token_ids) for s in steps), np.int64, S)
     keep, masked_from = plan_clips(step_offsets, action_tokens, max_steps=recipe.max_steps,
                                    max_action_tokens=recipe.max_action_tokens)
     kept_offsets, r, G, A = clip_segments(step_offsets, keep, r, G, A, gamma=recipe.gamma, lam=recipe.lam,
                                           reward_min=recipe.reward_min, reward_max=recipe.reward_max)
+    # Loss masks: every kept step's action tokens True (views of one array), but past a token cap.
+    kept = np.arange(S, dtype=np.int64) - step_offsets[:-1][np.repeat(np.arange(E), n_steps)] \
+        < np.repeat(keep, n_steps)
+    kept_tokens = np.bincount(np.repeat(np.arange(E), n_steps)[kept], weights=action_tokens[kept],
+                              minlength=E).astype(np.int64).tolist()
+    true = np.ones(int(action_tokens.sum()), dtype=bool)
+    token_bounds = np.concatenate([[0], np.cumsum(action_tokens)]).tolist()
+    masks = [true[a:b] for a, b in zip(token_bounds, token_bounds[1:])]
+
     out_episodes = []
-    keep, masked_from, kept_offsets = keep.tolist(), masked_from.tolist(), kept_offsets.tolist()
-    for k in range(E):
-        started, finished, T, n = starts[k], finishes[k], int(n_steps[k]), keep[k]
-        steps, verdicts, fig = all_steps[k][:n], all_verdicts[k][:n], figures[k][:n]
-        masks = [_all_true(len(s.action_token_ids)) for s in steps]
-        clipped = n < T or masked_from[k] >= 0
+    keep, masked_from, kept_bounds = keep.tolist(), masked_from.tolist(), kept_offsets.tolist()
+    n_steps, n_events = n_steps.tolist(), lengths.tolist()
+    for k, (started, finished, termination) in enumerate(zip(starts, finishes, terminations)):
+        T, n, a = n_steps[k], keep[k], bounds[k]
         tokens_masked = 0
         if masked_from[k] >= 0:
-            tokens_masked = int(masks[-1][masked_from[k]:].sum())
-            masks[-1][masked_from[k]:] = False
+            last = masks[a + n - 1]
+            tokens_masked = len(last) - masked_from[k]
+            last[masked_from[k]:] = False
+        clipped = n < T or masked_from[k] >= 0
         if clipped:
             counts["episodes_clipped"] += 1
             counts["steps_dropped_by_clip"] += T - n
-        termination = terminations[k]
-        excluded = termination if termination not in JUDGED_TERMINATIONS else (None if steps else "no_steps")
-        a, b = kept_offsets[k], kept_offsets[k + 1]
-        returns = G[a:b]
-        disagreements = tuple(f[2] for f in fig)
+        excluded = termination if termination not in JUDGED_TERMINATIONS else (None if n else "no_steps")
+        x, y = kept_bounds[k], kept_bounds[k + 1]
+        returns = G[x:y]
+        its_disagreements = disagreements[a:a + n]
         episode_id = cols.episode_ids[picked[k]]
-        ts = times[k]
         row = TrajectoryRow(
             episode_id=episode_id, domain=started.domain, recipe=version, recipe_hash=recipe_hash,
             task_id=started.task_id, task_group=started.task_group or started.task_id,
             policy_version=started.policy_version, difficulty=started.difficulty,
             status=finished.status.value, termination=termination, trainable=excluded is None,
             excluded_reason=excluded, complete=True, incomplete_reason=None, num_events=n_events[k],
-            num_steps=n, steps_dropped=T - n, action_tokens=sum(len(s.action_token_ids) for s in steps),
+            num_steps=n, steps_dropped=T - n, action_tokens=kept_tokens[k],
             tokens_masked=tokens_masked, clipped=clipped, outcome_reward=finished.outcome_reward,
             episode_return=float(returns[0]) if n else 0.0, normalized_return=0.0, group_advantage=0.0,
             group_size=started.group_size, group_member=started.group_member, group_members=0,
             group_timed_out=False, policy_lineage=started.policy_lineage,
-            verifier_summary=finished.verifier_summary, verifier_disagreements=sum(disagreements),
-            completed_late=False, steps_passed=sum(f[1] for f in fig),
-            first_event_time=min(ts), last_event_time=max(ts))
+            verifier_summary=finished.verifier_summary, verifier_disagreements=sum(its_disagreements),
+            completed_late=False, steps_passed=sum(passed[a:a + n]),
+            first_event_time=first_time[k], last_event_time=last_time[k])
         out_episodes.append(PlainEpisode(
-            episode_id=episode_id, domain=started.domain, row=row, steps=steps, verdicts=verdicts,
-            scores=tuple(f[0] for f in fig), disagreements=disagreements, rewards=r[a:b], returns=returns,
-            advantages=A[a:b], loss_masks=masks, sampling=started.sampling))
+            episode_id=episode_id, domain=started.domain, row=row, steps=steps[a:a + n],
+            verdicts=verdicts[a:a + n], scores=scores[a:a + n], disagreements=its_disagreements, rewards=r[x:y],
+            returns=returns, advantages=A[x:y], loss_masks=masks[a:a + n], sampling=started.sampling))
     return out_episodes, counts

@@ -231,7 +231,7 @@ def task_spec(started: EpisodeStarted | None) -> dict | None:
 
 def verify_steps(domain: str, started: EpisodeStarted | None, steps: Sequence[Step],
                  recorded: Sequence[list[Verification]], *, verify_step: Callable[..., Any] | None = None,
-                 not_found: type[Exception] = LookupError) -> StepVerdicts:
+                 not_found: type[Exception] = LookupError, tokens_ok: Sequence[bool] | None = None) -> StepVerdicts:
     """The verdicts of one episode's steps (:class:`VerifySteps`' rules), without an :class:`Episode` object.
 
     Args:
@@ -241,6 +241,7 @@ def verify_steps(domain: str, started: EpisodeStarted | None, steps: Sequence[St
         recorded: per step, the rollout's verdicts (its ``step_verified`` events).
         verify_step: ``rollout.verifiers.verify_step`` (None: the generic check only).
         not_found: the exception ``verify_step`` raises for a domain without verifiers.
+        tokens_ok: :func:`_tokens_ok` of ``steps``, when the caller found it for many episodes' steps at once.
     """
     spec = task_spec(started) if verify_step is not None else None  # specs can be whole documents
     domain_ok = spec is not None
@@ -253,8 +254,8 @@ def verify_steps(domain: str, started: EpisodeStarted | None, steps: Sequence[St
     verdicts = []
     tokens_failed = errors = disagreements = agreements = 0
     no_verifier = False
-    for step, rec, tokens_ok in zip(steps, recorded, _tokens_ok(steps)):
-        ours = [_TOKENS_OK if tokens_ok else check_token_consistency(step)]
+    for step, rec, ok in zip(steps, recorded, _tokens_ok(steps) if tokens_ok is None else tokens_ok):
+        ours = [_TOKENS_OK if ok else check_token_consistency(step)]
         if not ours[0].passed:
             tokens_failed += 1
         if skipped is not None:

@@ -312,3 +312,18 @@ def test_plain_rows_are_the_object_paths_rows_byte_for_byte(recipe):
     # non-plain episodes beside them (left out on both sides), and a plain one in reverse order
     others = [(eid, _mutate(eid, evs, op, 1)) for (eid, evs), op in zip(_episode_events(12, seed=5), MUTATIONS)]
     assert assert_plain_rows_are_the_object_paths(by_episode + others, recipe) == 40 + 1  # "shuffle" stays plain
+
+
+def _no_steps(episode_id: str, events: list) -> list:
+    """The episode with its steps and verdicts left out (started at seq 0, finished at 1): judged, nothing to train."""
+    started, finished = events[0], events[-1]
+    return [started, msgspec.structs.replace(finished, seq=1)]
+
+
+@pytest.mark.parametrize("recipe", [load_recipe("verification_shaped", max_steps=2, max_action_tokens=300),
+                                    load_recipe("outcome")], ids=["capped", "outcome"])
+def test_plain_rows_of_episodes_without_steps_and_of_none_but_those(recipe):
+    events = _episode_events(6, seed=3)
+    bare = [(eid, _no_steps(eid, evs)) for eid, evs in events[:2]]
+    assert assert_plain_rows_are_the_object_paths(bare, recipe) == 2  # no step at all in the chunk
+    assert assert_plain_rows_are_the_object_paths(bare + events[2:], recipe) == 6
