@@ -1,4 +1,12 @@
-"""The columnar path's first steps (issue 16, item 1; docs/pipelines.md, "The columnar path, as a plan").
+"""The columnar path (issue 16, item 1; docs/pipelines.md, "The columnar path").
+
+The tasks that read and assemble whole episodes (:class:`pipelines.frames.AssembleInPlace` for Kafka
+partitions, :class:`pipelines.archive_source.ReadArchiveEpisodes` for archive files) hand their decoded
+episodes to :class:`pipelines.frames.PlainPath`: the plain training episodes are verified, rewarded,
+clipped and turned into rows here, many at once (:func:`plain_episodes`), and go straight to row
+staging; every other episode goes through :class:`pipelines.frames.EpisodeAssembler` and the
+per-episode stages as before. The committed files are the same bytes either way
+(tests/pipelines/test_columnar_job.py, on real rollouts through Kafka and the archive).
 
 **The split** (step 1).
 A task's decoded events as columns (:func:`event_columns`: each event's episode, ``seq`` and kind), and
@@ -27,7 +35,8 @@ duplicate, no conflict and no feedback (``split_feedback``, ``dedupe_events``, `
 :meth:`EpisodeAssembler._episode <pipelines.frames.EpisodeAssembler>`); the last one keeps out the
 episodes whose steps that path would reorder or whose verdicts it would drop. Tested equal on fuzzed event
 sets and on real rollouts (tests/pipelines/test_columnar.py, tests/pipelines/test_counts_from_files.py).
-Not wired into the job yet; the event-time clock and the counts stay the assembler's.
+The event-time clock and the assembler's counts of a plain episode are still the assembler's
+(:meth:`pipelines.frames.EpisodeAssembler.count_plain`).
 
 **Rewards** (step 2). :func:`segment_rewards` gives the per-step rewards, returns and advantages of many
 episodes at once, their steps flat and cut into segments by offsets; :func:`plan_clips` and
@@ -37,6 +46,13 @@ IEEE operations in the same order, the return recurrence ``G_t = r_t + gamma G_{
 every episode's end at once (tested on every builtin recipe and on shaped, bounded and capped ones,
 tests/pipelines/test_columnar.py). For episodes without feedback (plain ones have none) and recipes
 without a process-reward model, whose scores the caller would have to ask for per episode.
+
+**Rows** (step 3). :func:`plain_episodes` gives each plain episode's rows as a
+:class:`~pipelines.types.PlainEpisode`: its verdicts (:func:`pipelines.verify.verify_steps`, the
+function the object path calls; the domain verifiers are the only Python per step), each step's
+verdict figures, the rewards and clips of step 2, and its trajectory row, with no
+:class:`~pipelines.types.Episode` made; :class:`pipelines.sinks.RowsBuffer` stages it into the
+columns a processed ``Episode`` fills (byte for byte, tests/pipelines/test_columnar.py).
 
 Examples:
     >>> from streams.synth import generate_episodes
