@@ -61,15 +61,15 @@ from pipelines.assemble import (
     resolve_late,
 )
 from pipelines.decode import record_dead_letter, validate_event
-from pipelines.feedback import FEEDBACK_TAG, split_feedback
 from pipelines.columnar import event_columns, plain_episodes, split_plain
+from pipelines.feedback import FEEDBACK_TAG, split_feedback
 from pipelines.forked import ChainStage, ForkedChain, ToStage, in_global_window, output_tag
 from pipelines.gcpause import gc_paused
 from pipelines.late import LATE_TAG, LateEpisode, LateState, LateStateReader
+from pipelines.recipes import Recipe
 from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE, Episode, RawRecords
 from schemas.codec import EventDecodeError, decode_event, encode_event
 from schemas.deadletter import DeadLetter
-from pipelines.recipes import Recipe
 from schemas.events import PURPOSE_EVAL, Event
 
 __all__ = [
