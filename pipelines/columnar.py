@@ -76,11 +76,10 @@ import numpy as np
 
 from pipelines.clip import fold_tail
 from pipelines.recipes import Recipe
-from pipelines.types import PlainEpisode
+from pipelines.types import PlainEpisode, excluded_reason_of
 from pipelines.verify import _tokens_ok, verify_steps
 from schemas.datasets import TrajectoryRow, Verification
-from schemas.events import (JUDGED_TERMINATIONS, EpisodeFinished, EpisodeStarted, Event, Feedback, Step, StepVerified,
-                            termination_of)
+from schemas.events import EpisodeFinished, EpisodeStarted, Event, Feedback, Step, StepVerified, termination_of
 
 __all__ = ["EventColumns", "Split", "event_columns", "split_plain", "segment_rewards", "plan_clips", "clip_segments",
            "plain_episodes", "PLAIN_COUNTS",
@@ -411,7 +410,8 @@ def plain_episodes(cols: EventColumns, split: Split, picks: np.ndarray, recipe: 
     scores, passed, disagreements = (list(x) for x in zip(*map(step_figures, verdicts, repeat(weights)))) \
         if S else ([], [], [])
     terminations = [termination_of(f) for f in finishes]
-    trainable = np.fromiter((t in JUDGED_TERMINATIONS for t in terminations), bool, E) & (n_steps > 0)
+    trainable = np.fromiter((excluded_reason_of(t, n) is None for t, n in zip(terminations, n_steps.tolist())),
+                            bool, E)  # Episode.trainable, before the clip
     counts["steps_verified"] = counts["steps_rewarded"] = S
     counts["episodes_excluded"] = int(E - trainable.sum())
     r, G, A = segment_rewards(recipe, offsets=step_offsets, sigma=np.asarray(scores, np.float64),
@@ -423,10 +423,9 @@ def plain_episodes(cols: EventColumns, split: Split, picks: np.ndarray, recipe: 
     kept_offsets, r, G, A = clip_segments(step_offsets, keep, r, G, A, gamma=recipe.gamma, lam=recipe.lam,
                                           reward_min=recipe.reward_min, reward_max=recipe.reward_max)
     # Loss masks: every kept step's action tokens True (views of one array), but past a token cap.
-    kept = np.arange(S, dtype=np.int64) - step_offsets[:-1][np.repeat(np.arange(E), n_steps)] \
-        < np.repeat(keep, n_steps)
-    kept_tokens = np.bincount(np.repeat(np.arange(E), n_steps)[kept], weights=action_tokens[kept],
-                              minlength=E).astype(np.int64).tolist()
+    _, segment = _segments(step_offsets)
+    kept = np.arange(S, dtype=np.int64) - step_offsets[:-1][segment] < keep[segment]
+    kept_tokens = np.bincount(segment[kept], weights=action_tokens[kept], minlength=E).astype(np.int64).tolist()
     true = np.ones(int(action_tokens.sum()), dtype=bool)
     token_bounds = np.concatenate([[0], np.cumsum(action_tokens)]).tolist()
     masks = [true[a:b] for a, b in zip(token_bounds, token_bounds[1:])]
@@ -445,7 +444,7 @@ def plain_episodes(cols: EventColumns, split: Split, picks: np.ndarray, recipe: 
         if clipped:
             counts["episodes_clipped"] += 1
             counts["steps_dropped_by_clip"] += T - n
-        excluded = termination if termination not in JUDGED_TERMINATIONS else (None if n else "no_steps")
+        excluded = excluded_reason_of(termination, n)  # after the clip, as the row is staged
         x, y = kept_bounds[k], kept_bounds[k + 1]
         returns = G[x:y]
         its_disagreements = disagreements[a:a + n]

@@ -68,6 +68,7 @@ from pipelines.gcpause import gc_paused
 from pipelines.late import LATE_TAG, LateEpisode, LateState, LateStateReader
 from pipelines.recipes import Recipe
 from pipelines.types import DEAD_LETTER_TAG, METRICS_NAMESPACE, Episode, RawRecords
+from pipelines.verify import _import_verifiers
 from schemas.codec import EventDecodeError, decode_event, encode_event
 from schemas.deadletter import DeadLetter
 from schemas.events import PURPOSE_EVAL, Event
@@ -671,15 +672,14 @@ class PlainPath:
     def setup(self) -> None:
         """Import the domain verifiers (on the worker, once)."""
         if self._plan.use_domain_verifiers:
-            from pipelines.verify import _import_verifiers
-
             self._verify_step, self._not_found = _import_verifiers()
 
     def __call__(self, chunk: list[tuple[str, list[Event]]]) -> Iterator[Any]:
         plan = self._plan
         with gc_paused():
             cols = event_columns(chunk)
-            split = split_plain(cols, exclude=_Settled(self._assemble))
+            settled = {episode_id for episode_id, _ in chunk if self._assemble.settled(episode_id)}
+            split = split_plain(cols, exclude=settled)
             picks = split.plain.copy()
             for e in np.flatnonzero(picks).tolist():  # evaluation episodes leave for their table first
                 if cols.events[split.order[split.offsets[e]]].purpose == PURPOSE_EVAL:
@@ -700,19 +700,6 @@ class PlainPath:
                 Metrics.counter(METRICS_NAMESPACE, name).inc(n)
         for episode in plain:
             yield ToStage(plan.stage, episode)
-
-
-class _Settled:
-    """The episode ids an :class:`EpisodeAssembler` must see itself (:meth:`EpisodeAssembler.settled`), as a set."""
-
-    def __init__(self, assembler: EpisodeAssembler) -> None:
-        self._assembler = assembler
-
-    def __contains__(self, episode_id: object) -> bool:
-        return self._assembler.settled(episode_id)
-
-    def __bool__(self) -> bool:
-        return True
 
 
 class PlainPlan(NamedTuple):

@@ -196,12 +196,7 @@ class Episode(msgspec.Struct, kw_only=True, gc=False):
         episode without steps. None for judged episodes with steps, and for
         incomplete ones (never training data anyway).
         """
-        if not self.complete:
-            return None
-        termination = self.termination
-        if termination not in JUDGED_TERMINATIONS:
-            return termination
-        return None if self.steps else "no_steps"
+        return excluded_reason_of(self.termination, len(self.steps)) if self.complete else None
 
     @property
     def trainable(self) -> bool:
@@ -238,6 +233,18 @@ class Episode(msgspec.Struct, kw_only=True, gc=False):
         """The GRPO group whose statistics the episode's group advantage uses."""
         return self.domain, self.task_group, self.policy_version
 
+
+
+def excluded_reason_of(termination: str, steps: int) -> str | None:
+    """Why a complete episode that stopped for ``termination`` with ``steps`` steps is not trained on, or None.
+
+    Examples:
+        >>> excluded_reason_of("timeout", 3), excluded_reason_of("done", 0), excluded_reason_of("max_steps", 2)
+        ('timeout', 'no_steps', None)
+    """
+    if termination not in JUDGED_TERMINATIONS:
+        return termination
+    return None if steps else "no_steps"
 
 
 class PlainEpisode(NamedTuple):
