@@ -287,57 +287,43 @@ class RowsBuffer:
         return len(self._trajs)
 
     def add(self, episode: Episode | PlainEpisode) -> None:
-        if type(episode) is PlainEpisode:
-            self._add_plain(episode)
+        if type(episode) is PlainEpisode:  # the columnar path's rows, worked out already
+            self._trajs.append(episode.row)
+            if episode.steps:
+                self._append(episode.row, episode.steps, episode.verdicts, episode.scores, episode.disagreements,
+                             episode.loss_masks, (episode.rewards, episode.returns, episode.advantages, None),
+                             episode.sampling, 0.0)
             return
         if not episode.complete or not episode.steps:
             self._trajs.append(trajectory_row(episode, self._recipe))
             return
-        ss, c, n, vss = episode.steps, self._cols, len(episode.steps), episode.verdicts
-        scores, passed, disagreements = zip(*map(step_figures, vss, itertools.repeat(self._weights)))
+        scores, passed, disagreements = zip(*map(step_figures, episode.verdicts, itertools.repeat(self._weights)))
         row = trajectory_row(episode, self._recipe, disagreements=sum(disagreements), steps_passed=sum(passed))
         self._trajs.append(row)
-        sampling = episode.sampling
+        self._append(row, episode.steps, episode.verdicts, scores, disagreements, episode.loss_masks,
+                     (episode.rewards, episode.returns, episode.advantages, episode.normalized_advantages),
+                     episode.sampling, float(episode.group_advantage or 0.0))
+
+    def _append(self, row: TrajectoryRow, steps: list[Step], verdicts: list, scores: Sequence[float],
+                disagreements: Sequence[int], loss_masks: list[np.ndarray], arrays: tuple, sampling: Any,
+                group_advantage: float) -> None:
+        """Keep a complete episode's step values (references; ``steps_table`` builds the columns)."""
+        c, n = self._cols, len(steps)
         self._episodes.append((  # what the trajectory row has already worked out is read from it
             row.episode_id, row.task_id, row.task_group, row.status, n, sampling.temperature, sampling.top_p,
-            sampling.top_k, row.policy_lineage, row.trainable, float(episode.group_advantage or 0.0),
-            row.group_members))
-        self._step_counts.append(n)
-        self._clipped.append(episode.clipped)
-        self._steps += ss
-        c["loss_mask"] += episode.loss_masks
-        c["verifications"] += vss
-        c["verification_score"] += scores
-        c["verifier_disagreements"] += disagreements
-        c["reward"].append(episode.rewards)
-        c["return_to_go"].append(episode.returns)
-        c["advantage"].append(episode.advantages)
-        norm = episode.normalized_advantages
-        c["normalized_advantage"].append(norm if norm is not None else np.zeros(n))
-        self.steps += n
-
-    def _add_plain(self, episode: PlainEpisode) -> None:
-        """What :meth:`add` keeps of a processed episode, from the columnar path's values (the same columns)."""
-        row = episode.row
-        self._trajs.append(row)
-        n = len(episode.steps)
-        if not n:
-            return
-        c, sampling = self._cols, episode.sampling
-        self._episodes.append((row.episode_id, row.task_id, row.task_group, row.status, n, sampling.temperature,
-                               sampling.top_p, sampling.top_k, row.policy_lineage, row.trainable, 0.0,
-                               row.group_members))
+            sampling.top_k, row.policy_lineage, row.trainable, group_advantage, row.group_members))
         self._step_counts.append(n)
         self._clipped.append(row.clipped)
-        self._steps += episode.steps
-        c["loss_mask"] += episode.loss_masks
-        c["verifications"] += episode.verdicts
-        c["verification_score"] += episode.scores
-        c["verifier_disagreements"] += episode.disagreements
-        c["reward"].append(episode.rewards)
-        c["return_to_go"].append(episode.returns)
-        c["advantage"].append(episode.advantages)
-        c["normalized_advantage"].append(np.zeros(n))
+        self._steps += steps
+        c["loss_mask"] += loss_masks
+        c["verifications"] += verdicts
+        c["verification_score"] += scores
+        c["verifier_disagreements"] += disagreements
+        rewards, returns, advantages, normalized = arrays
+        c["reward"].append(rewards)
+        c["return_to_go"].append(returns)
+        c["advantage"].append(advantages)
+        c["normalized_advantage"].append(normalized if normalized is not None else np.zeros(n))
         self.steps += n
 
     @property
