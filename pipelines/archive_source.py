@@ -445,26 +445,16 @@ class _ReadFileLocalFn(beam.DoFn):
             self._dead.inc(len(dead))
         for d in dead:
             yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, d)
-        from pipelines.frames import PLAIN_CHUNK_EVENTS
-
         local = 0
-        chunk: list[tuple[str, list[Event]]] = []  # for the columnar path (with ``plain``)
-        chunk_events = 0
         for episode_id, events in frags:
             if episode_id in self._split:
                 yield beam.pvalue.TaggedOutput(FRAMES_TAG, to_frames((episode_id, events), f.topic, self._buckets))
                 continue
             local += 1
-            if self._plain is None:
-                yield from self._assemble(episode_id, events)
-                continue
-            chunk.append((episode_id, events))
-            chunk_events += len(events)
-            if chunk_events >= PLAIN_CHUNK_EVENTS:
-                yield from self._plain(chunk)
-                chunk, chunk_events = [], 0
-        if chunk:
-            yield from self._plain(chunk)
+            yield from (self._assemble(episode_id, events) if self._plain is None
+                        else self._plain.push(episode_id, events))
+        if self._plain is not None:
+            yield from self._plain.flush()
         self._local.inc(local)
 
     def finish_bundle(self) -> Iterator[Any]:

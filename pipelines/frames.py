@@ -607,8 +607,6 @@ class _AssembleInPlaceFn(beam.DoFn):
         shuffled: list[str] = []
         groups: dict[int, list[tuple]] = defaultdict(list)  # bucket → (partition, offset, ts, key, frame, episode)
         raw, self._raw = self._raw, defaultdict(list)
-        chunk: list[tuple[str, list[Event]]] = []  # decoded episodes for the columnar path (with ``plain``)
-        chunk_events = 0
         for episode_id in sorted(raw):
             records = raw.pop(episode_id)
             if episode_id in self._split:  # joins its pending fragment after the shuffle
@@ -620,17 +618,10 @@ class _AssembleInPlaceFn(beam.DoFn):
                 events, dead = self._decode(episode_id, records)
             for letter in dead:
                 yield in_global_window(beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, letter))
-            if self._plain is None:
-                for out in self._assemble(episode_id, events):
-                    yield in_global_window(out)
-                continue
-            chunk.append((episode_id, events))
-            chunk_events += len(events)
-            if chunk_events >= PLAIN_CHUNK_EVENTS:
-                yield from map(in_global_window, self._plain(chunk))
-                chunk, chunk_events = [], 0
-        if chunk:
-            yield from map(in_global_window, self._plain(chunk))
+            yield from map(in_global_window, self._assemble(episode_id, events) if self._plain is None
+                           else self._plain.push(episode_id, events))
+        if self._plain is not None:
+            yield from map(in_global_window, self._plain.flush())
         blobs = [FrameBlob(self._topic, *map(list, zip(*g))).encode() for g in groups.values()]
         if self._spill_dir is not None and blobs:
             blobs = spill_blobs(self._spill_dir, blobs)
@@ -648,7 +639,8 @@ class PlainPath:
     For a DoFn that holds episodes whole and assembles them with an :class:`EpisodeAssembler`, in a
     :class:`pipelines.forked.ForkedChain` whose last stage stages rows (:class:`AssembleInPlace`,
     :class:`pipelines.archive_source.ReadArchiveEpisodes`). Called with a chunk of decoded episodes
-    (``(episode_id, events)``), it yields the assembler's outputs for the episodes that are not plain
+    (``(episode_id, events)``; or one at a time through :meth:`push` and :meth:`flush`, which cut
+    chunks of :data:`PLAIN_CHUNK_EVENTS`), it yields the assembler's outputs for the episodes that are not plain
     (or are evaluation episodes), counts the plain ones as the assembler would
     (:meth:`EpisodeAssembler.count_plain`), and yields their rows
     (:func:`pipelines.columnar.plain_episodes`) as :class:`pipelines.forked.ToStage` values for the
@@ -668,6 +660,21 @@ class PlainPath:
     def __init__(self, plan: PlainPlan, assembler: EpisodeAssembler) -> None:
         self._plan, self._assemble = plan, assembler
         self._verify_step, self._not_found = None, LookupError
+        self._chunk: list[tuple[str, list[Event]]] = []
+        self._chunk_events = 0
+
+    def push(self, episode_id: str, events: list[Event]) -> Iterator[Any]:
+        """Take one decoded episode; a chunk's outputs once it holds :data:`PLAIN_CHUNK_EVENTS` events."""
+        self._chunk.append((episode_id, events))
+        self._chunk_events += len(events)
+        if self._chunk_events >= PLAIN_CHUNK_EVENTS:
+            yield from self.flush()
+
+    def flush(self) -> Iterator[Any]:
+        """The outputs of the episodes taken since the last chunk."""
+        chunk, self._chunk, self._chunk_events = self._chunk, [], 0
+        if chunk:
+            yield from self(chunk)
 
     def setup(self) -> None:
         """Import the domain verifiers (on the worker, once)."""

@@ -78,6 +78,7 @@ def test_the_columnar_path_commits_the_per_episode_paths_files(kafka_broker, top
         return out
 
     monkeypatch.setattr(frames, "plain_episodes", counting)
+    monkeypatch.setattr(frames, "PLAIN_CHUNK_EVENTS", 40)  # a task's episodes in several chunks, not one
     close_pools()
     conn = KafkaConnection(bootstrap_servers=bootstrap, client_id="trajpipe-test")
     recipe = load_recipe("verification_shaped", max_steps=3, max_action_tokens=48)
@@ -86,7 +87,7 @@ def test_the_columnar_path_commits_the_per_episode_paths_files(kafka_broker, top
     letters = []
     Archiver(archive, conn=conn, topic=topic_name, buckets=4, dead_letter=lambda rec, err: letters.append(err)).run()
     assert len(letters) == 1  # the junk record
-    counts, files, taken = {}, {}, {}
+    counts, files, taken, chunks = {}, {}, {}, {}
     try:
         for source, given in (("kafka", KafkaInput(conn=conn, topic=topic_name)), ("archive", ArchiveInput(archive))):
             for columnar in (False, True):
@@ -95,6 +96,7 @@ def test_the_columnar_path_commits_the_per_episode_paths_files(kafka_broker, top
                                                      columnar=columnar)
                 files[source, columnar] = _files(out)
             taken[source] = [e for f in seen.iterdir() for e in json.loads(f.read_text())]
+            chunks[source] = len(list(seen.iterdir()))  # plain_episodes calls: one per chunk
             for f in seen.iterdir():
                 f.unlink()
     finally:
@@ -119,5 +121,6 @@ def test_the_columnar_path_commits_the_per_episode_paths_files(kafka_broker, top
         a, b = (pq.read_table(tmp_path / f"kafka-columnar-{c}" / k) for c in (True, False))
         assert a.drop_columns(["timestamp"]).equals(b.drop_columns(["timestamp"]))
 
-    # no evaluation episode, none with a copy or feedback; each once
+    # no evaluation episode, none with a copy or feedback; each once; chunks cut as the limit says
     assert sorted(taken["kafka"]) == sorted(training - replayed - {first}) != []
+    assert chunks["kafka"] > 4 and chunks["archive"] > 4
